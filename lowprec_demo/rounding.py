@@ -1,0 +1,457 @@
+"""Rounding onto a format's grid: round-to-nearest-even and stochastic rounding, exactly.
+
+Everything here is vectorised tensor code (CPU and CUDA alike) working on the bit patterns of
+float32 or float64 tensors; float16 and bfloat16 tensors are widened to float32 first.
+
+Round to nearest, ties to even (RNE)
+    ``quantize(x, fmt)`` is bit-identical to torch's casts to bfloat16, float16, float8_e4m3fn and
+    float8_e5m2 for every fp32 input, and to ml_dtypes' casts for the fp6/fp4 types. float64 input is
+    rounded once, exactly (torch and ml_dtypes round it twice, through float32).
+
+Overflow
+    A value whose rounding lies beyond ``fmt.max`` follows the format's overflow policy:
+    ``"inf"`` (IEEE formats: by the RNE rule, e.g. E5M2 sends 61439 to 57344 and 61440 to inf),
+    ``"saturate"`` (formats without inf: to +-max; infinities saturate too, as torch's
+    float8_e4m3fn cast does) or ``"nan"`` (ml_dtypes' E4M3 rule). NaN stays NaN, even in formats with
+    no NaN encoding, so that a NaN is never hidden. The sign of zero is kept.
+
+Stochastic rounding (SR)
+    ``quantize(x, fmt, "stochastic")`` returns one of the two grid neighbours of ``x``, the one away
+    from zero with probability (distance to the lower neighbour) / (gap), so ``E[q(x)] = x``.
+    Values past ``max`` are rounded on the grid continued above ``max`` and then follow the
+    overflow policy. The random bits come from a counter-based hash of a seed and the element's
+    index, so they are the same on CPU and GPU and on every data-parallel rank given the same
+    seed; the seed is drawn from the caller's ``torch.Generator`` (or given as an int).
+    Probabilities are resolved to 2^-24 of a gap for float32 input and 2^-53 for float64 input,
+    which is exact for inputs in the format's normal range. ``rand_bits=k`` models hardware SR
+    with k random bits: the position inside the gap is first rounded to nearest at k bits, so an
+    update smaller than 2^-(k+1) of a gap never moves the value: few-bit SR freezes again.
+
+Example:
+    >>> import torch
+    >>> quantize(torch.tensor([1.0 + 2**-9]), "bf16")
+    tensor([1.])
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+
+from .formats import FloatFormat, check_overflow_policy, get_format
+
+__all__ = ["quantize", "ulp", "would_freeze", "move_probability", "update_ulp_ratio",
+           "ROUNDING_MODES", "random_bits"]
+
+ROUNDING_MODES = ("nearest", "stochastic")
+GeneratorLike = Union[torch.Generator, int, None]
+
+_M32 = 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """Layout of a floating-point dtype the bit-level code works on."""
+    man_bits: int          # stored mantissa bits P
+    bias: int              # exponent bias B
+    itype: torch.dtype     # integer type of the same width
+    rand_bits: int         # random bits of full-resolution SR (float mantissa + 1)
+
+    @property
+    def mant_mask(self) -> int:
+        return (1 << self.man_bits) - 1
+
+    @property
+    def exp_all_ones(self) -> int:
+        return (2 * self.bias + 1) << self.man_bits  # the bit pattern of +inf
+
+
+_SPECS = {
+    torch.float32: _Spec(23, 127, torch.int32, 24),
+    torch.float64: _Spec(52, 1023, torch.int64, 53),
+}
+_NARROW = {torch.float16: FloatFormat(5, 10, "ieee", "fp16"),
+           torch.bfloat16: FloatFormat(8, 7, "ieee", "bf16")}
+_SUPPORTED = "float32, float64, float16 or bfloat16"
+
+
+# ------------------------------------------------------------------------------------------------
+# argument checks
+# ------------------------------------------------------------------------------------------------
+def _check_tensor(x, what: str = "x") -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{what} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _SPECS and x.dtype not in _NARROW:
+        raise TypeError(f"{what} must be a floating-point tensor ({_SUPPORTED}); got {x.dtype}")
+
+
+def _contains(outer: FloatFormat, inner: FloatFormat) -> bool:
+    """Whether every value of ``inner`` (and its overflow values) is representable in ``outer``."""
+    return (inner.man_bits <= outer.man_bits and inner.e_max <= outer.e_max
+            and inner.e_min - inner.man_bits >= outer.e_min - outer.man_bits)
+
+
+def _check_narrow(dtype: torch.dtype, fmt: FloatFormat) -> None:
+    if dtype in _NARROW and not _contains(_NARROW[dtype], fmt):
+        raise ValueError(
+            f"format {fmt.name} has values that {dtype} cannot hold, so the result could not lie on "
+            f"the {fmt.name} grid; quantize a float32 or float64 tensor instead"
+        )
+
+
+def _check_rand_bits(rand_bits: Optional[int]) -> None:
+    if rand_bits is None:
+        return
+    if isinstance(rand_bits, bool) or not isinstance(rand_bits, int) or not 1 <= rand_bits <= 32:
+        raise ValueError(f"rand_bits must be None (full resolution) or an integer in 1..32, got {rand_bits!r}")
+
+
+# ------------------------------------------------------------------------------------------------
+# random bits: a counter-based hash of (seed, element index)
+# ------------------------------------------------------------------------------------------------
+def _mix32(h: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer finaliser (xor-shift-multiply, multiplier 0x45d9f3b), bijective on
+    [0, 2^32). Products stay below 2^59, so int64 arithmetic never overflows. In place."""
+    h ^= h >> 16
+    h *= 0x45D9F3B
+    h &= _M32
+    h ^= h >> 16
+    h *= 0x45D9F3B
+    h &= _M32
+    h ^= h >> 16
+    return h
+
+
+def _draw_seed(generator: GeneratorLike) -> int:
+    """A 64-bit seed for one call: taken from the generator (advancing it), or the int given."""
+    if isinstance(generator, bool):
+        raise TypeError("generator must be a torch.Generator, an int seed or None")
+    if isinstance(generator, int):
+        return generator & ((1 << 64) - 1)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator, an int seed or None, got {type(generator).__name__}")
+    device = generator.device if generator is not None else "cpu"
+    return int(torch.randint(0, 2**62, (), generator=generator, device=device).item())
+
+
+def random_bits(shape, seed: int, stream: int = 0, device=None) -> torch.Tensor:
+    """32 random bits per element (int64 values in [0, 2^32)), a pure function of
+    ``(seed, stream, element index)``: identical on every device and process.
+
+    Example:
+        >>> random_bits((3,), seed=1).tolist() == random_bits((3,), seed=1).tolist()
+        True
+    """
+    numel = math.prod(shape)
+    h = torch.arange(numel, dtype=torch.int64, device=device)
+    s1 = seed & _M32
+    s2 = ((seed >> 32) ^ (0x9E3779B9 * (stream + 1))) & _M32
+    h ^= s1
+    _mix32(h)
+    h ^= s2
+    _mix32(h)
+    return h.view(shape)
+
+
+def _uniform_ints(shape, nbits: int, seed: int, device) -> torch.Tensor:
+    """Uniform integers in [0, 2^nbits), 1 <= nbits <= 53, as int64."""
+    if nbits <= 32:
+        return random_bits(shape, seed, 0, device) >> (32 - nbits)
+    hi = random_bits(shape, seed, 0, device)
+    lo = random_bits(shape, seed, 1, device)
+    return (hi << (nbits - 32)) | (lo >> (64 - nbits))
+
+
+# ------------------------------------------------------------------------------------------------
+# exact powers of two and exponents
+# ------------------------------------------------------------------------------------------------
+def _pow2(k: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Exactly ``2.0**k`` for an integer tensor k, built from bits (subnormal results included)."""
+    spec = _SPECS[dtype]
+    k = k.to(spec.itype)
+    biased = k + spec.bias
+    normal = biased.clamp(min=1) << spec.man_bits
+    sub_shift = (biased - 1 + spec.man_bits).clamp(min=0, max=spec.man_bits - 1)
+    subnormal = torch.ones_like(k) << sub_shift
+    return torch.where(biased >= 1, normal, subnormal).view(dtype)
+
+
+def _biased_exponent(a: torch.Tensor) -> torch.Tensor:
+    """The exponent field of non-negative floats (0 for zero and subnormals)."""
+    spec = _SPECS[a.dtype]
+    return a.view(spec.itype) >> spec.man_bits
+
+
+# ------------------------------------------------------------------------------------------------
+# round to nearest, ties to even, on magnitudes (exponent unbounded above)
+# ------------------------------------------------------------------------------------------------
+def _nearest_bits(a: torch.Tensor, drop: int) -> torch.Tensor:
+    """RNE of a non-negative float32 tensor to ``23 - drop`` mantissa bits by integer arithmetic on
+    its bit pattern, in place. Valid for formats with fp32's exponent range (E = 8): their
+    subnormals line up with fp32's, and a carry out of the mantissa runs into the exponent (and on
+    to the pattern of inf) exactly as rounding does."""
+    spec = _SPECS[a.dtype]
+    u = a.view(spec.itype)
+    nan = u > spec.exp_all_ones
+    lsb = (u >> drop) & 1
+    u += lsb
+    u += (1 << (drop - 1)) - 1
+    u &= ~((1 << drop) - 1)
+    return a.masked_fill_(nan, math.nan)
+
+
+def _nearest_magic(a: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
+    """RNE of non-negative ``a`` onto ``fmt``'s grid, in place, by one floating-point addition.
+
+    For ``a`` in the binade of exponent ``e`` (``e`` clamped to ``[e_min, e_max + 1]``) the number
+    ``M = 2**(e + P - m)`` has a unit in the last place equal to the target ulp ``2**(e - m)``.
+    ``a + M`` is therefore rounded by the hardware (RNE) exactly at the target's grid, and
+    ``(a + M) - M`` is exact. One rounding, so float64 input is rounded once."""
+    spec = _SPECS[a.dtype]
+    shift = spec.man_bits - fmt.man_bits
+    e = _biased_exponent(a)
+    e.clamp_(fmt.e_min + spec.bias, fmt.e_max + 1 + spec.bias)
+    e += shift
+    e <<= spec.man_bits
+    magic = e.view(a.dtype)
+    a += magic
+    a -= magic
+    return a
+
+
+def _nearest_magnitude(a: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
+    """RNE of non-negative ``a`` onto the grid of ``fmt`` continued above ``max``; in place."""
+    spec = _SPECS[a.dtype]
+    drop = spec.man_bits - fmt.man_bits
+    if drop == 0:
+        return a
+    if a.dtype == torch.float32 and fmt.exp_bits == 8:
+        return _nearest_bits(a, drop)
+    return _nearest_magic(a, fmt)
+
+
+# ------------------------------------------------------------------------------------------------
+# stochastic rounding on magnitudes
+# ------------------------------------------------------------------------------------------------
+def _stochastic_bits(a: torch.Tensor, fmt: FloatFormat, seed: int, rand_bits: Optional[int]) -> torch.Tensor:
+    """SR for float32 input and E = 8 formats on the bit pattern: add a random integer below the
+    dropped-bit unit and truncate; the carry happens with probability (dropped bits)/2^drop."""
+    drop = 23 - fmt.man_bits
+    k = drop if rand_bits is None else min(rand_bits, drop)
+    if k < drop:  # resolve the position inside the gap to k bits first (RNE), as hardware does
+        _nearest_bits(a, drop - k)
+    u = a.view(torch.int32)
+    nan = u > 0x7F800000
+    r = _uniform_ints(a.shape, k, seed, a.device).to(torch.int32)
+    u += r << (drop - k)
+    u &= ~((1 << drop) - 1)
+    return a.masked_fill_(nan, math.nan)
+
+
+def _stochastic_general(a: torch.Tensor, fmt: FloatFormat, seed: int, rand_bits: Optional[int]) -> torch.Tensor:
+    """SR by an error-free transformation: n = RNE(a) is the nearest neighbour and err = a - n is
+    exact (Sterbenz); the other neighbour is one gap away on err's side, taken with probability
+    |err| / gap."""
+    spec = _SPECS[a.dtype]
+    k = spec.rand_bits if rand_bits is None else rand_bits
+    n = _nearest_magnitude(a.clone(), fmt)
+    err = a.sub_(n)
+    up = err > 0
+    # spacing on err's side of n: below a power of two (above the smallest normal) it halves
+    nbits = n.view(spec.itype)
+    gap_exp = nbits >> spec.man_bits
+    gap_exp -= (((nbits & spec.mant_mask) == 0) & ~up).to(spec.itype)
+    gap_exp.clamp_(min=fmt.e_min + spec.bias)
+    gap_exp -= spec.bias + fmt.man_bits
+    gap = _pow2(gap_exp, a.dtype)
+    prob_scaled = err.abs_().div_(gap).mul_(2.0**k).round_()  # position in the gap, k bits, RNE
+    move = _uniform_ints(a.shape, k, seed, a.device) < prob_scaled.to(torch.int64)
+    step = torch.where(up, gap, -gap)
+    return n.add_(step.masked_fill_(~move, 0.0))
+
+
+# ------------------------------------------------------------------------------------------------
+# the public entry point
+# ------------------------------------------------------------------------------------------------
+def _apply_overflow(r: torch.Tensor, fmt: FloatFormat, policy: str) -> torch.Tensor:
+    value = {"inf": math.inf, "saturate": fmt.max, "nan": math.nan}[policy]
+    return r.masked_fill_(r > fmt.max, value)
+
+
+def _native_dtype(x: torch.Tensor, fmt: FloatFormat, policy: str) -> Optional[torch.dtype]:
+    """A torch dtype whose cast from ``x`` is already the exact RNE (single rounding) with this
+    overflow policy, or None."""
+    dtype = fmt.with_overflow(policy).torch_dtype if policy != fmt.overflow else fmt.torch_dtype
+    if dtype is None:
+        return None
+    if x.dtype == torch.float32:
+        # torch's float8 casts are checked bit for bit on the CPU; elsewhere use the exact path.
+        if dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and x.device.type != "cpu":
+            return None
+        return dtype
+    if x.dtype == torch.float64 and dtype == torch.float32:
+        return dtype
+    return None
+
+
+def quantize(x: torch.Tensor, fmt: Union[str, FloatFormat], rounding: str = "nearest",
+             generator: GeneratorLike = None, rand_bits: Optional[int] = None,
+             overflow: Optional[str] = None) -> torch.Tensor:
+    """Round every element of ``x`` onto the grid of ``fmt``; return a new tensor of x's dtype
+    and device.
+
+    Args:
+        x: a float32, float64, float16 or bfloat16 tensor (not modified; no gradient flows).
+        fmt: a format name (see :func:`lowprec_demo.formats.get_format`) or a FloatFormat.
+        rounding: ``"nearest"`` (RNE, ties to even) or ``"stochastic"``.
+        generator: for SR, a ``torch.Generator`` (one seed is drawn from it per call) or an int
+            seed; None draws from torch's default CPU generator.
+        rand_bits: for SR, the number of random bits k (1..32); None is full resolution.
+        overflow: override the format's overflow policy: ``"inf"``, ``"saturate"`` or ``"nan"``.
+
+    RNE returns ``w`` from ``w + d`` exactly when ``|d| < ulp(w)/2`` (a tie goes to the even
+    neighbour); SR moves to the neighbour away from zero with probability (distance to the lower
+    neighbour)/gap.
+
+    Example:
+        >>> quantize(torch.tensor([1.0, 1.0 + 2**-8, 1.0 + 3 * 2**-8]), "bf16").tolist()
+        [1.0, 1.0, 1.015625]
+    """
+    fmt = get_format(fmt)
+    _check_tensor(x)
+    if rounding not in ROUNDING_MODES:
+        raise ValueError(f"rounding must be one of {', '.join(ROUNDING_MODES)}; got {rounding!r}")
+    _check_rand_bits(rand_bits)
+    policy = fmt.overflow if overflow is None else overflow
+    check_overflow_policy(fmt, policy)
+    _check_narrow(x.dtype, fmt)
+    x = x.detach()
+
+    if x.dtype in _NARROW:  # widen exactly, round, narrow exactly (the format fits in the dtype)
+        return quantize(x.float(), fmt, rounding, generator, rand_bits, policy).to(x.dtype)
+
+    if rounding == "nearest":
+        native = _native_dtype(x, fmt, policy)
+        if native is not None:
+            return x.to(native).to(x.dtype)
+        r = _nearest_magnitude(x.abs(), fmt)
+    else:
+        seed = _draw_seed(generator)
+        if x.dtype == torch.float32 and fmt.exp_bits == 8:
+            r = x.abs() if fmt.man_bits == 23 else _stochastic_bits(x.abs(), fmt, seed, rand_bits)
+        else:
+            r = _stochastic_general(x.abs(), fmt, seed, rand_bits)
+    return _apply_overflow(r, fmt, policy).copysign_(x)
+
+
+# ------------------------------------------------------------------------------------------------
+# the freeze rule
+# ------------------------------------------------------------------------------------------------
+def _as_computable(t: torch.Tensor) -> torch.Tensor:
+    return t.float() if t.dtype in _NARROW else t
+
+
+def ulp(x: torch.Tensor, fmt: Union[str, FloatFormat]) -> torch.Tensor:
+    """The spacing of ``fmt``'s grid at ``x``: ``2**(max(floor(log2|x|), e_min) - m)``; constant
+    (the smallest subnormal) below the smallest normal; NaN for inf and NaN. Exact.
+
+    Example:
+        >>> ulp(torch.tensor([1.0, 1.5, 0.0]), "bf16").tolist()
+        [0.0078125, 0.0078125, 9.183549615799121e-41]
+    """
+    fmt = get_format(fmt)
+    _check_tensor(x)
+    _check_narrow(x.dtype, fmt)
+    a = _as_computable(x.detach()).abs()
+    spec = _SPECS[a.dtype]
+    e = _biased_exponent(a).clamp_(min=fmt.e_min + spec.bias) - (spec.bias + fmt.man_bits)
+    out = _pow2(e, a.dtype).masked_fill_(~torch.isfinite(a), math.nan)
+    return out.to(x.dtype)
+
+
+def _side_gap(w: torch.Tensor, d: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
+    """The distance from grid value ``w`` to its neighbour on the side ``d`` points to. Moving
+    toward zero from a power of two above the smallest normal the grid is twice as fine."""
+    a = w.abs()
+    spec = _SPECS[a.dtype]
+    bits = a.view(spec.itype)
+    exponent = bits >> spec.man_bits
+    inward = (d != 0) & (w != 0) & ((d > 0) != (w > 0))
+    power_of_two = (bits & spec.mant_mask) == 0
+    exponent -= (inward & power_of_two).to(spec.itype)
+    exponent.clamp_(min=fmt.e_min + spec.bias)
+    return _pow2(exponent - (spec.bias + fmt.man_bits), a.dtype)
+
+
+def update_ulp_ratio(w: torch.Tensor, d: torch.Tensor, fmt: Union[str, FloatFormat]) -> torch.Tensor:
+    """``|d| / gap``: the update measured in grid spacings on its own side of ``q(w)``. Round to
+    nearest freezes below 1/2; SR moves with probability min(1, ratio).
+
+    Example:
+        >>> update_ulp_ratio(torch.tensor([1.0, 1.0]), torch.tensor([2**-9, -2**-9]), "bf16").tolist()
+        [0.25, 0.5]
+    """
+    fmt = get_format(fmt)
+    w, d = _prepare_pair(w, d, fmt)
+    return d.abs() / _side_gap(w, d, fmt)
+
+
+def _prepare_pair(w: torch.Tensor, d: torch.Tensor, fmt: FloatFormat):
+    _check_tensor(w, "w")
+    _check_tensor(d, "d")
+    dtype = torch.promote_types(_as_computable(w).dtype, _as_computable(d).dtype)
+    w, d = torch.broadcast_tensors(w.detach().to(dtype), d.detach().to(dtype))
+    return quantize(w, fmt), d
+
+
+def would_freeze(w: torch.Tensor, d: torch.Tensor, fmt: Union[str, FloatFormat],
+                 overflow: Optional[str] = None) -> torch.Tensor:
+    """Whether round-to-nearest of the exact sum ``q(w) + d`` gives back ``q(w)``, element-wise.
+
+    The rule: frozen exactly when ``|d| < gap/2``, or ``|d| == gap/2`` and ``q(w)`` has an even
+    last mantissa bit (the tie goes to the even neighbour), where gap is the spacing on d's side:
+    ``ulp(w)``, except moving toward zero from a power of two above the smallest normal, where the
+    grid below is twice as fine and the threshold is ``ulp(w)/4``. A saturating format also keeps
+    ``+-max`` under any outward update. Infinite weights stay frozen; NaN never counts as frozen.
+
+    Example:
+        >>> would_freeze(torch.tensor([1.0, 1.0, 1.0]), torch.tensor([2**-8, -2**-9, -2**-9 - 2**-12]), "bf16").tolist()
+        [True, True, False]
+    """
+    fmt = get_format(fmt)
+    policy = fmt.overflow if overflow is None else overflow
+    check_overflow_policy(fmt, policy)
+    w, d = _prepare_pair(w, d, fmt)
+    gap = _side_gap(w, d, fmt)
+    half = gap * 0.5
+    ad = d.abs()
+    spec = _SPECS[w.dtype]
+    ulp_w = _pow2((_biased_exponent(w.abs()).clamp(min=fmt.e_min + spec.bias)
+                   - (spec.bias + fmt.man_bits)), w.dtype)
+    even = torch.remainder(w.abs() / ulp_w, 2.0) == 0
+    frozen = (ad < half) | ((ad == half) & even)
+    if policy == "saturate":
+        outward = (d != 0) & ((d > 0) == (w > 0))
+        frozen |= (w.abs() == fmt.max) & outward
+    frozen |= torch.isinf(w) & torch.isfinite(d)
+    return frozen & ~torch.isnan(w) & ~torch.isnan(d)
+
+
+def move_probability(w: torch.Tensor, d: torch.Tensor, fmt: Union[str, FloatFormat],
+                     rand_bits: Optional[int] = None) -> torch.Tensor:
+    """Probability that stochastic rounding of ``q(w) + d`` differs from ``q(w)``:
+    ``min(1, |d|/gap)``; with k random bits the position in the gap is resolved to k bits,
+    ``round(|d|/gap * 2**k) / 2**k``, so updates below ``2**-(k+1)`` gaps never move.
+
+    Example:
+        >>> move_probability(torch.tensor([1.0]), torch.tensor([2**-10]), "bf16").tolist()
+        [0.125]
+    """
+    _check_rand_bits(rand_bits)
+    ratio = update_ulp_ratio(w, d, fmt).clamp_(max=1.0)
+    if rand_bits is not None:
+        ratio = ratio.mul_(2.0**rand_bits).round_().div_(2.0**rand_bits)
+    return ratio
