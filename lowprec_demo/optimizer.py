@@ -1,0 +1,238 @@
+"""Low-precision stored weights for any torch optimizer.
+
+``LowPrecisionOptimizer`` wraps a ``torch.optim`` optimizer. The inner optimizer computes its step
+in the parameters' own dtype (float32), then every selected parameter is rounded back onto the
+low-precision grid. So the weights that are stored, and used by the next forward pass, are exactly
+those of a model kept in that format ("bf16-equivalent stored weights" for ``fmt="bf16"``).
+
+Three ways to store the result of a step:
+
+``rounding="nearest"``
+    Round to nearest, ties to even. An update below half an ulp of the weight is lost: the weight
+    freezes although its gradient is not zero.
+``rounding="stochastic"``
+    Stochastic rounding, unbiased: small updates move the weight with probability |d|/ulp.
+``compensation="kahan"``
+    Nearest rounding plus a per-element compensation buffer (kept in the parameter's dtype) that
+    carries the rounding residual into the next step, as in Kahan summation: lost updates pile up
+    until they are big enough to move the weight.
+
+Optimizer state (Adam's moments, momentum buffers) can be kept on a grid too (``state_format``).
+
+Example:
+    >>> import torch
+    >>> w = torch.nn.Parameter(torch.ones(3))
+    >>> opt = LowPrecisionOptimizer(torch.optim.SGD([w], lr=1e-3), "bf16")
+    >>> w.grad = torch.ones(3); opt.step()
+    >>> w.tolist()   # 1 - 0.001 is closer to 1.0 than to 1 - 2**-8: frozen
+    [1.0, 1.0, 1.0]
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Callable, Iterable, Optional, Union
+
+import torch
+
+from .formats import FloatFormat, check_overflow_policy, get_format
+from .rounding import ROUNDING_MODES, GeneratorLike, quantize
+
+__all__ = ["LowPrecisionOptimizer", "select_params", "PARAM_SELECTIONS", "COMPENSATIONS"]
+
+PARAM_SELECTIONS = ("all", "matrices")
+COMPENSATIONS = (None, "kahan")
+
+ParamSelection = Union[str, Callable[[torch.Tensor], bool], Iterable[torch.Tensor]]
+
+
+def select_params(params: Iterable[torch.Tensor], which: ParamSelection = "all") -> list:
+    """The parameters to keep in low precision.
+
+    ``"all"``; ``"matrices"`` (tensors with 2 or more dimensions: linear and embedding weights,
+    convolution kernels); a predicate ``f(tensor) -> bool``; or an explicit collection of tensors.
+
+    Example:
+        >>> lin = torch.nn.Linear(2, 2)
+        >>> [tuple(p.shape) for p in select_params(lin.parameters(), "matrices")]
+        [(2, 2)]
+    """
+    params = list(params)
+    if isinstance(which, str):
+        if which == "all":
+            return params
+        if which == "matrices":
+            return [p for p in params if p.dim() >= 2]
+        raise ValueError(f"params must be one of {', '.join(PARAM_SELECTIONS)}, a predicate or a "
+                         f"collection of tensors; got {which!r}")
+    if callable(which):
+        return [p for p in params if which(p)]
+    chosen = {id(p) for p in which}
+    return [p for p in params if id(p) in chosen]
+
+
+class LowPrecisionOptimizer(torch.optim.Optimizer):
+    """Keep selected parameters on the grid of ``fmt`` after every step of ``optimizer``.
+
+    Args:
+        optimizer: any ``torch.optim`` optimizer over float32 (or float64) parameters.
+        fmt: the storage format, a name such as ``"bf16"`` or ``"e4m3"``, or a FloatFormat.
+        rounding: ``"nearest"`` or ``"stochastic"``.
+        generator: SR randomness: a ``torch.Generator`` (reproducible) or an int seed. Give every
+            data-parallel replica the same seed so replicas stay bit-identical.
+        rand_bits: few-bit SR with this many random bits (None: full resolution).
+        params: which parameters live in low precision: ``"all"``, ``"matrices"`` (2 or more
+            dimensions), a predicate, or a collection of tensors. Others stay in full precision.
+        state_format: also keep the optimizer's state tensors (e.g. Adam's ``exp_avg`` and
+            ``exp_avg_sq``) of the selected parameters on this grid (None: full precision).
+        state_rounding: rounding for the state, ``"nearest"`` or ``"stochastic"``.
+        compensation: None or ``"kahan"`` (nearest rounding with a compensation buffer).
+        overflow: override the format's overflow policy.
+        round_initial: round the selected parameters onto the grid now (default True), so the
+            stored weights are low-precision from the first forward pass.
+
+    LR schedulers, ``zero_grad``, ``add_param_group`` and ``state_dict``/``load_state_dict``
+    behave as for the inner optimizer; ``param_groups`` and ``state`` are the inner optimizer's.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, fmt: Union[str, FloatFormat],
+                 rounding: str = "nearest", generator: GeneratorLike = None,
+                 rand_bits: Optional[int] = None, params: ParamSelection = "all",
+                 state_format: Union[str, FloatFormat, None] = None, state_rounding: str = "nearest",
+                 compensation: Optional[str] = None, overflow: Optional[str] = None,
+                 round_initial: bool = True) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        for name, value in (("rounding", rounding), ("state_rounding", state_rounding)):
+            if value not in ROUNDING_MODES:
+                raise ValueError(f"{name} must be one of {', '.join(ROUNDING_MODES)}; got {value!r}")
+        if compensation not in COMPENSATIONS:
+            raise ValueError(f"compensation must be one of None, 'kahan'; got {compensation!r}")
+        if compensation == "kahan" and rounding != "nearest":
+            raise ValueError("compensation='kahan' is a remedy for round-to-nearest; use rounding='nearest'")
+        self.fmt = get_format(fmt)
+        self.overflow = self.fmt.overflow if overflow is None else overflow
+        check_overflow_policy(self.fmt, self.overflow)
+        self.state_format = None if state_format is None else get_format(state_format)
+        self.optimizer = optimizer
+        self.rounding = rounding
+        self.state_rounding = state_rounding
+        self.generator = generator
+        self.rand_bits = rand_bits
+        self.compensation = compensation
+        self._selection = params
+        all_params = [p for group in optimizer.param_groups for p in group["params"]]
+        self.lowprec_params = select_params(all_params, params)
+        for p in self.lowprec_params:
+            if p.dtype not in (torch.float32, torch.float64):
+                raise TypeError(f"low-precision parameters are simulated in float32 or float64; got {p.dtype}")
+        self._compensation_buffers: dict = {}
+
+        # Share the inner optimizer's bookkeeping, so schedulers and hooks see one object.
+        self.defaults = optimizer.defaults
+        self.param_groups = optimizer.param_groups
+        self.state = optimizer.state
+        self._optimizer_step_pre_hooks = OrderedDict()
+        self._optimizer_step_post_hooks = OrderedDict()
+        self._optimizer_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_state_dict_post_hooks = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+        if round_initial:
+            self.round_params()
+
+    # ------------------------------------------------------------------------------------------
+    def _round(self, t: torch.Tensor, fmt: FloatFormat, rounding: str) -> torch.Tensor:
+        return quantize(t, fmt, rounding, generator=self.generator, rand_bits=self.rand_bits,
+                        overflow=self.overflow if fmt is self.fmt else None)
+
+    @torch.no_grad()
+    def round_params(self) -> None:
+        """Round the selected parameters onto the grid (nearest), in place."""
+        for p in self.lowprec_params:
+            p.copy_(quantize(p, self.fmt, overflow=self.overflow))
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], float]] = None):
+        """One step of the inner optimizer, then store the selected parameters in low precision."""
+        loss = self.optimizer.step(closure)
+        for p in self.lowprec_params:
+            if self.compensation == "kahan":
+                buf = self._compensation_buffers.get(p)
+                if buf is None:
+                    buf = self._compensation_buffers[p] = torch.zeros_like(p)
+                target = p + buf                     # what the weight should be, residual included
+                stored = quantize(target, self.fmt, overflow=self.overflow)
+                buf.copy_(target - stored)           # exact: target and stored are within an ulp
+                p.copy_(stored)
+            else:
+                p.copy_(self._round(p, self.fmt, self.rounding))
+            if self.state_format is not None:
+                for value in self.optimizer.state.get(p, {}).values():
+                    if torch.is_tensor(value) and value.is_floating_point() and value.shape == p.shape:
+                        value.copy_(self._round(value, self.state_format, self.state_rounding))
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear gradients (delegates to the inner optimizer)."""
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Add a parameter group to the inner optimizer; its parameters are selected as at
+        construction and rounded onto the grid."""
+        self.optimizer.add_param_group(param_group)
+        new = select_params(self.optimizer.param_groups[-1]["params"], self._selection)
+        self.lowprec_params.extend(new)
+        with torch.no_grad():
+            for p in new:
+                p.copy_(quantize(p, self.fmt, overflow=self.overflow))
+
+    # ------------------------------------------------------------------------------------------
+    def _param_index(self) -> dict:
+        order = [p for group in self.optimizer.param_groups for p in group["params"]]
+        return {id(p): i for i, p in enumerate(order)}, order
+
+    def state_dict(self) -> dict:
+        """The inner optimizer's state dict plus a ``"lowprec"`` entry: format, rounding, the
+        Kahan buffers (by parameter index) and the SR generator's state."""
+        state = self.optimizer.state_dict()
+        index, _ = self._param_index()
+        gen = self.generator
+        state["lowprec"] = {
+            "format": {"exp_bits": self.fmt.exp_bits, "man_bits": self.fmt.man_bits,
+                       "kind": self.fmt.kind, "name": self.fmt.name},
+            "overflow": self.overflow,
+            "rounding": self.rounding,
+            "rand_bits": self.rand_bits,
+            "compensation": self.compensation,
+            "compensation_buffers": {index[id(p)]: b.clone() for p, b in self._compensation_buffers.items()},
+            "generator_state": gen.get_state() if isinstance(gen, torch.Generator) else None,
+        }
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore a state dict written by :meth:`state_dict` (or a plain inner-optimizer one)."""
+        state_dict = dict(state_dict)
+        extra = state_dict.pop("lowprec", None)
+        self.optimizer.load_state_dict(state_dict)
+        self.state = self.optimizer.state
+        self.param_groups = self.optimizer.param_groups
+        if extra is None:
+            return
+        saved = extra["format"]
+        if (saved["exp_bits"], saved["man_bits"], saved["kind"]) != (
+                self.fmt.exp_bits, self.fmt.man_bits, self.fmt.kind):
+            raise ValueError(f"state dict was saved for format {saved['name']}, this optimizer uses {self.fmt.name}")
+        _, order = self._param_index()
+        self._compensation_buffers = {
+            order[int(i)]: b.to(device=order[int(i)].device, dtype=order[int(i)].dtype).clone()
+            for i, b in extra.get("compensation_buffers", {}).items()
+        }
+        if extra.get("generator_state") is not None and isinstance(self.generator, torch.Generator):
+            self.generator.set_state(extra["generator_state"])
+
+    def __repr__(self) -> str:
+        extra = f", compensation={self.compensation!r}" if self.compensation else ""
+        state = f", state_format={self.state_format.name!r}" if self.state_format else ""
+        return (f"LowPrecisionOptimizer({self.optimizer.__class__.__name__}, fmt={self.fmt.name!r}, "
+                f"rounding={self.rounding!r}, params={len(self.lowprec_params)} tensors{state}{extra})")

@@ -1,0 +1,266 @@
+"""Freeze prediction from a high-precision run, and freeze observation in a low-precision run.
+
+Prediction (science): run the training in float32. At step t every element i has a stored value
+``w_t`` and a reference update ``d_t = w_{t+1} - w_t``. With ``q`` the rounding to a format, the
+element is predicted frozen when ``q(q(w_t) + d_t) == q(w_t)`` (round to nearest), i.e.
+``|d_t| < gap/2`` (see :func:`lowprec_demo.rounding.would_freeze`). The predicted frozen fraction
+F(t) is the mean over elements, per tensor and overall. One reference run predicts any number of
+formats at once, in memory proportional to the parameters: each step keeps one copy of the tracked
+tensors and nothing of the trajectory.
+
+Stochastic rounding: an element moves with probability ``min(1, |d|/gap)``; the predicted fraction
+of elements that move is the mean of that, and the expected SR trajectory is the reference one.
+With k random bits an element whose ``|d|/gap`` rounds to zero at k bits never moves.
+
+Observation: in a low-precision run an element is frozen at step t when its stored value did not
+change.
+
+The freeze step for a threshold tau is the first step from which the frozen fraction stays at or
+above tau until the end of the run.
+
+Example:
+    >>> import torch
+    >>> w = torch.nn.Parameter(torch.ones(4))
+    >>> predictor = FreezePredictor({"w": w}, formats=["bf16"])
+    >>> predictor.before_step(); w.data -= 1e-3; predictor.after_step()
+    >>> predictor.record("bf16").overall
+    [1.0]
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Union
+
+import torch
+
+from .formats import FloatFormat, get_format
+from .rounding import quantize, update_ulp_ratio, would_freeze
+
+__all__ = ["FreezeRecord", "FreezePredictor", "FreezeObserver", "freeze_step", "freeze_order",
+           "steps_agree", "named_tensors", "RATIO_BINS"]
+
+# log2(|d| / gap) histogram bins: edges -24, -23, ..., +8 (values outside go to the end bins).
+RATIO_BINS = list(range(-24, 9))
+
+TensorSource = Union[Mapping[str, torch.Tensor], Callable[[], Mapping[str, torch.Tensor]], torch.nn.Module]
+
+
+def named_tensors(source: TensorSource) -> Dict[str, torch.Tensor]:
+    """Resolve a tensor source: a mapping, a callable returning one, or a module (its named
+    parameters). Example: ``named_tensors(torch.nn.Linear(2, 2)).keys()`` -> weight, bias."""
+    if isinstance(source, torch.nn.Module):
+        return dict(source.named_parameters())
+    if callable(source):
+        return dict(source())
+    return dict(source)
+
+
+def freeze_step(fractions: Sequence[float], threshold: float) -> Optional[int]:
+    """The first step from which the frozen fraction stays ``>= threshold`` to the end of the run,
+    or None if the last step is below it.
+
+    Example:
+        >>> freeze_step([0.1, 0.9, 0.5, 0.95, 1.0], 0.9)
+        3
+    """
+    if not 0.0 < threshold <= 1.0:
+        raise ValueError(f"threshold must be in (0, 1], got {threshold}")
+    step = None
+    for t in range(len(fractions) - 1, -1, -1):
+        if fractions[t] >= threshold:
+            step = t
+        else:
+            break
+    return step
+
+
+def steps_agree(predicted: Optional[int], observed: Optional[int], total_steps: int) -> bool:
+    """The book's tolerance: both exist and differ by at most max(2 steps, 2 % of the run).
+
+    Example:
+        >>> steps_agree(100, 103, 500), steps_agree(100, 103, 100)
+        (True, False)
+    """
+    if predicted is None or observed is None:
+        return False
+    return abs(predicted - observed) <= max(2, 0.02 * total_steps)
+
+
+@dataclass
+class FreezeRecord:
+    """Per-step frozen fractions of a set of tensors (predicted or observed).
+
+    ``overall[t]`` is the element-weighted mean over all tensors at step t, ``by_tensor[name][t]``
+    the fraction of one tensor, ``sizes[name]`` its element count. Predictions also carry
+    ``move_fraction`` (expected fraction of elements SR moves) and ``ratio_histogram`` (counts of
+    log2(|d|/gap) per bin of :data:`RATIO_BINS`, summed over the run).
+    """
+
+    format: str
+    kind: str                                  # "predicted" or "observed"
+    sizes: Dict[str, int] = field(default_factory=dict)
+    overall: List[float] = field(default_factory=list)
+    by_tensor: Dict[str, List[float]] = field(default_factory=dict)
+    move_fraction: List[float] = field(default_factory=list)
+    fewbit_frozen: List[float] = field(default_factory=list)
+    rand_bits: Optional[int] = None
+    ratio_histogram: List[int] = field(default_factory=lambda: [0] * (len(RATIO_BINS) + 1))
+
+    def freeze_step(self, threshold: float) -> Optional[int]:
+        """First step from which the overall fraction stays >= threshold."""
+        return freeze_step(self.overall, threshold)
+
+    def tensor_freeze_steps(self, threshold: float) -> Dict[str, Optional[int]]:
+        """Freeze step of every tensor."""
+        return {name: freeze_step(values, threshold) for name, values in self.by_tensor.items()}
+
+    def to_dict(self) -> dict:
+        return {"format": self.format, "kind": self.kind, "sizes": self.sizes, "overall": self.overall,
+                "by_tensor": self.by_tensor, "move_fraction": self.move_fraction,
+                "fewbit_frozen": self.fewbit_frozen, "rand_bits": self.rand_bits,
+                "ratio_bins": RATIO_BINS, "ratio_histogram": self.ratio_histogram}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "FreezeRecord":
+        keys = {"format", "kind", "sizes", "overall", "by_tensor", "move_fraction", "fewbit_frozen",
+                "rand_bits", "ratio_histogram"}
+        return cls(**{k: v for k, v in d.items() if k in keys})
+
+
+def freeze_order(record: FreezeRecord, threshold: float) -> List[tuple]:
+    """Tensors sorted by the step at which they freeze (never-frozen ones last).
+
+    Example: ``freeze_order(record, 0.9)[0]`` is the first tensor to freeze, as ``(name, step)``.
+    """
+    steps = record.tensor_freeze_steps(threshold)
+    return sorted(steps.items(), key=lambda kv: (kv[1] is None, kv[1] if kv[1] is not None else 0, kv[0]))
+
+
+class _StepTracker:
+    """Snapshot tracked tensors before a step, compare after it."""
+
+    def __init__(self, tensors: TensorSource) -> None:
+        self._source = tensors
+        self._before: Dict[str, torch.Tensor] = {}
+
+    def _current(self) -> Dict[str, torch.Tensor]:
+        return {k: v for k, v in named_tensors(self._source).items() if torch.is_tensor(v)}
+
+    @torch.no_grad()
+    def before_step(self) -> None:
+        """Copy the tracked tensors (call just before ``optimizer.step()``)."""
+        self._before = {k: v.detach().clone() for k, v in self._current().items()}
+
+    def _pairs(self):
+        now = self._current()
+        for name, old in self._before.items():
+            if name in now:
+                yield name, old, now[name].detach()
+
+
+class FreezeObserver(_StepTracker):
+    """Observed freezing in a low-precision run: an element is frozen at a step when its stored
+    value did not change.
+
+    Example:
+        >>> w = torch.nn.Parameter(torch.ones(2))
+        >>> obs = FreezeObserver({"w": w}); obs.before_step(); w.data[0] = 2.0; obs.after_step()
+        >>> obs.record.overall
+        [0.5]
+    """
+
+    def __init__(self, tensors: TensorSource, format: str = "") -> None:
+        super().__init__(tensors)
+        self.record = FreezeRecord(format=str(format), kind="observed")
+
+    @torch.no_grad()
+    def after_step(self) -> None:
+        """Count unchanged elements per tensor (call just after ``optimizer.step()``)."""
+        total_frozen, total = 0, 0
+        seen = set()
+        for name, old, new in self._pairs():
+            frozen = int((new == old).sum().item())
+            n = new.numel()
+            self._append(name, frozen / n, n)
+            seen.add(name)
+            total_frozen += frozen
+            total += n
+        self.record.overall.append(total_frozen / total if total else math.nan)
+        self._before = {}
+
+    def _append(self, name: str, value: float, n: int) -> None:
+        rec = self.record
+        if name not in rec.by_tensor:   # state tensors appear after the first step: pad with NaN
+            rec.by_tensor[name] = [math.nan] * len(rec.overall)
+            rec.sizes[name] = n
+        rec.by_tensor[name].append(value)
+
+
+class FreezePredictor(_StepTracker):
+    """Predict, during a high-precision reference run, which elements would freeze if the stored
+    values lived in each of ``formats`` (round to nearest), and how many SR would move.
+
+    Args:
+        tensors: what to track: a module, a mapping name -> tensor, or a callable returning one
+            (for optimizer state, which appears after the first step).
+        formats: one or several formats, predicted at once.
+        rand_bits: also predict few-bit SR with this many random bits (None: skip).
+
+    Example: see the module docstring.
+    """
+
+    def __init__(self, tensors: TensorSource, formats: Sequence[Union[str, FloatFormat]] = ("bf16",),
+                 rand_bits: Optional[int] = None) -> None:
+        super().__init__(tensors)
+        if isinstance(formats, (str, FloatFormat)):
+            formats = [formats]
+        self.formats = [get_format(f) for f in formats]
+        if not self.formats:
+            raise ValueError("give at least one format to predict")
+        self.rand_bits = rand_bits
+        self.records = {f.name: FreezeRecord(format=f.name, kind="predicted", rand_bits=rand_bits)
+                        for f in self.formats}
+
+    def record(self, fmt: Union[str, FloatFormat, None] = None) -> FreezeRecord:
+        """The record of one format (the first one by default)."""
+        name = self.formats[0].name if fmt is None else get_format(fmt).name
+        return self.records[name]
+
+    @torch.no_grad()
+    def after_step(self) -> None:
+        """Predict freezing for the update just applied (call just after ``optimizer.step()``)."""
+        pairs = list(self._pairs())
+        edges = torch.tensor(RATIO_BINS, dtype=torch.float32)
+        for fmt in self.formats:
+            rec = self.records[fmt.name]
+            frozen_total = moved_total = fewbit_total = 0.0
+            count = 0
+            hist = torch.zeros(len(RATIO_BINS) + 1, dtype=torch.int64)
+            for name, old, new in pairs:
+                stored = quantize(old, fmt)
+                update = new - old
+                frozen = would_freeze(stored, update, fmt)
+                ratio = update_ulp_ratio(stored, update, fmt)
+                moved = ratio.clamp(max=1.0)
+                n = old.numel()
+                f = frozen.sum().item()
+                frozen_total += f
+                moved_total += moved.sum().item()
+                if self.rand_bits is not None:
+                    fewbit_total += (torch.round(moved * 2.0**self.rand_bits) == 0).sum().item()
+                count += n
+                if name not in rec.by_tensor:
+                    rec.by_tensor[name] = [math.nan] * len(rec.overall)
+                    rec.sizes[name] = n
+                rec.by_tensor[name].append(f / n)
+                log_ratio = torch.log2(ratio[ratio > 0].float().cpu())
+                hist += torch.bucketize(log_ratio, edges).bincount(minlength=len(RATIO_BINS) + 1)
+                hist[0] += int((ratio == 0).sum().item())
+            rec.overall.append(frozen_total / count if count else math.nan)
+            rec.move_fraction.append(moved_total / count if count else math.nan)
+            if self.rand_bits is not None:
+                rec.fewbit_frozen.append(fewbit_total / count if count else math.nan)
+            rec.ratio_histogram = [a + b for a, b in zip(rec.ratio_histogram, hist.tolist())]
+        self._before = {}
