@@ -4,9 +4,36 @@ When an optimizer update is smaller than half the unit in the last place (ULP) o
 weight, round-to-nearest hands back the same weight. This package simulates any small float
 format exactly (bit for bit), wraps any torch optimizer so stored weights live on that format's
 grid, predicts from a high-precision run when each weight freezes, and plots it.
+
+Modules: ``formats`` (float formats), ``rounding`` (exact nearest and stochastic rounding, the
+freeze rule), ``optimizer`` (LowPrecisionOptimizer), ``prediction`` (freeze prediction and
+observation), ``training`` (the training loop), ``experiments`` (named experiments),
+``data`` and ``models``, ``plots``, ``widgets``, ``cli`` (``python -m lowprec_demo``).
+
+Example:
+    >>> import lowprec_demo as lp
+    >>> lp.quantize(lp.torch.tensor([1.001]), "bf16").item()
+    1.0
 """
 
+import torch
+
 from .formats import FORMAT_NAMES, FloatFormat, format_table, get_format
+from .optimizer import LowPrecisionOptimizer, select_params
+from .prediction import FreezeObserver, FreezePredictor, FreezeRecord, freeze_order, freeze_step, steps_agree
 from .rounding import move_probability, quantize, ulp, update_ulp_ratio, would_freeze
+from .runtime import by_scale, pick_device, progress_bar, scale, seed_everything
+from .training import Task, TrainConfig, TrainResult, lr_factor, train_variants
+from .experiments import experiment_names, make_config, run_experiment, sweep
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "FORMAT_NAMES", "FloatFormat", "format_table", "get_format",
+    "quantize", "ulp", "would_freeze", "move_probability", "update_ulp_ratio",
+    "LowPrecisionOptimizer", "select_params",
+    "FreezePredictor", "FreezeObserver", "FreezeRecord", "freeze_step", "freeze_order", "steps_agree",
+    "Task", "TrainConfig", "TrainResult", "train_variants", "lr_factor",
+    "experiment_names", "make_config", "run_experiment", "sweep",
+    "scale", "by_scale", "pick_device", "seed_everything", "progress_bar",
+]

@@ -107,14 +107,24 @@ class FreezeRecord:
     fewbit_frozen: List[float] = field(default_factory=list)
     rand_bits: Optional[int] = None
     ratio_histogram: List[int] = field(default_factory=lambda: [0] * (len(RATIO_BINS) + 1))
+    by_tensor_steps: Optional[List[int]] = None  # set when per-tensor curves were thinned
+
+    def tensor_steps(self, name: str) -> List[int]:
+        """The step of every point of ``by_tensor[name]``."""
+        return self.by_tensor_steps or list(range(len(self.by_tensor[name])))
 
     def freeze_step(self, threshold: float) -> Optional[int]:
         """First step from which the overall fraction stays >= threshold."""
         return freeze_step(self.overall, threshold)
 
     def tensor_freeze_steps(self, threshold: float) -> Dict[str, Optional[int]]:
-        """Freeze step of every tensor."""
-        return {name: freeze_step(values, threshold) for name, values in self.by_tensor.items()}
+        """Freeze step of every tensor (on thinned curves: the step of the first kept point from
+        which the tensor stays frozen)."""
+        out = {}
+        for name, values in self.by_tensor.items():
+            i = freeze_step(values, threshold)
+            out[name] = None if i is None else self.tensor_steps(name)[i]
+        return out
 
     def to_dict(self) -> dict:
         return {"format": self.format, "kind": self.kind, "sizes": self.sizes, "overall": self.overall,
@@ -125,7 +135,7 @@ class FreezeRecord:
     @classmethod
     def from_dict(cls, d: dict) -> "FreezeRecord":
         keys = {"format", "kind", "sizes", "overall", "by_tensor", "move_fraction", "fewbit_frozen",
-                "rand_bits", "ratio_histogram"}
+                "rand_bits", "ratio_histogram", "by_tensor_steps"}
         return cls(**{k: v for k, v in d.items() if k in keys})
 
 

@@ -12,12 +12,13 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, List, Optional, Sequence
 
+from ..runtime import progress_bar
 from ..runtime import scale as current_scale
 from ..training import Task, TrainConfig, TrainResult, train_variants
 
-__all__ = ["Experiment", "register", "experiment_names", "get_experiment", "make_config", "run_experiment"]
+__all__ = ["Experiment", "register", "experiment_names", "get_experiment", "make_config", "run_experiment", "sweep"]
 
 
 @dataclass
@@ -100,6 +101,34 @@ def run_experiment(name: str, fmt: Optional[str] = None, steps: Optional[int] = 
     config = make_config(name, scale, format=fmt, steps=steps, lr=lr, seed=seed, device=device, **overrides)
     task = get_experiment(name).build(config)
     return train_variants(name, task, config, progress=progress)
+
+
+def sweep(name: str, man_bits: Sequence[int] = (7,), lrs: Sequence[Optional[float]] = (None,), exp_bits: int = 8,
+          seeds: Sequence[int] = (0,), progress: bool = False, keep_results: bool = False, **overrides) -> List[dict]:
+    """Run ``name`` for every combination of mantissa length (format ``e{exp_bits}m{m}``), learning
+    rate and seed; one row per run with the predicted and observed freeze steps, whether they agree
+    within max(2 steps, 2 % of the run), and the final losses. Only the reference and nearest runs
+    are trained unless ``variants`` is given.
+
+    Example:
+        >>> rows = sweep("quadratic", man_bits=[4, 6], steps=100)
+        >>> [r["man_bits"] for r in rows]
+        [4, 6]
+    """
+    from ..prediction import steps_agree
+    overrides.setdefault("variants", ("reference", "nearest"))
+    rows = []
+    combos = [(m, lr, s) for m in man_bits for lr in lrs for s in seeds]
+    for m, lr, s in progress_bar(combos, desc=f"sweep {name}", disable=not progress):
+        result = run_experiment(name, fmt=f"e{exp_bits}m{m}", lr=lr, seed=s, progress=False, **overrides)
+        pred, obs = result.predicted_freeze_step(), result.observed_freeze_step()
+        row = {"man_bits": m, "lr": result.config.lr, "seed": s, "steps": result.config.steps,
+               "predicted": pred, "observed": obs, "agree": steps_agree(pred, obs, result.config.steps),
+               **{f"final_loss_{v}": run.loss[-1] for v, run in result.runs.items()}}
+        if keep_results:
+            row["result"] = result
+        rows.append(row)
+    return rows
 
 
 # Registration: one module per experiment.

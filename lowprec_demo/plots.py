@@ -1,0 +1,260 @@
+"""The book's figures, one function each; all take a matplotlib ``ax`` (created when omitted)
+and return it.
+
+* :func:`plot_losses`: reference, round-to-nearest and stochastic loss curves on one axes.
+* :func:`plot_frozen`: predicted against observed frozen fraction, freeze steps marked.
+* :func:`plot_frozen_by_tensor`: the same per tensor (which layers freeze first).
+* :func:`plot_freeze_sweep`: predicted against observed freeze step, one point per run.
+* :func:`plot_grid` and :func:`plot_ulp`: what a format's grid looks like.
+* :func:`plot_ratio_histogram`: the distribution of update/ULP ratios.
+
+Example:
+    >>> ax = plot_ulp(["bf16", "fp16"])
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, List, Optional, Sequence
+
+import matplotlib.pyplot as plt
+import numpy as np
+
+from .formats import get_format
+from .prediction import RATIO_BINS, freeze_step
+
+__all__ = ["COLORS", "plot_losses", "plot_frozen", "plot_frozen_by_tensor", "plot_freeze_sweep", "plot_grid",
+           "plot_ulp", "plot_ratio_histogram", "provenance_label", "grid_values"]
+
+COLORS = {"reference": "#222222", "nearest": "#d62728", "stochastic": "#1f77b4", "kahan": "#2ca02c",
+          "predicted": "#ff7f0e", "observed": "#d62728"}
+LABELS = {"reference": "fp32 reference", "nearest": "round to nearest", "stochastic": "stochastic rounding",
+          "kahan": "nearest + Kahan"}
+
+
+def _ax(ax):
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7, 4))
+    return ax
+
+
+def _smooth(values: Sequence[float], window: int) -> np.ndarray:
+    v = np.asarray(values, dtype=float)
+    if window <= 1 or len(v) < window:
+        return v
+    kernel = np.ones(window) / window
+    head = np.array([v[: i + 1].mean() for i in range(window - 1)])
+    return np.concatenate([head, np.convolve(v, kernel, mode="valid")])
+
+
+def provenance_label(result) -> str:
+    """A short 'where this came from' line for a stored result: device, date, commit.
+
+    Example: ``provenance_label(result)`` -> ``"NVIDIA H200, 2026-11-29, commit 1a2b3c4"``."""
+    p = getattr(result, "provenance", None) or {}
+    commit = (p.get("git_commit") or "unknown")[:7]
+    date = (p.get("date") or "")[:10]
+    return f"{p.get('device_name', p.get('device', '?'))}, {date}, commit {commit}"
+
+
+def plot_losses(result, ax=None, variants: Optional[Iterable[str]] = None, log: bool = True, smooth: int = 1,
+                mark_freeze: bool = True, title: Optional[str] = None):
+    """Training loss per step of each variant on one axes; the predicted freeze step as a
+    dashed line.
+
+    Example: ``plot_losses(run_experiment("quadratic", progress=False))``."""
+    ax = _ax(ax)
+    for v in variants or result.runs:
+        run = result.runs[v]
+        ax.plot(_smooth(run.loss, smooth), color=COLORS.get(v), label=LABELS.get(v, v), lw=1.4)
+    if mark_freeze:
+        step = result.predicted_freeze_step()
+        if step is not None:
+            ax.axvline(step, color=COLORS["predicted"], ls="--", lw=1.2,
+                       label=f"predicted freeze (step {step})")
+    if log:
+        ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss" + (f" ({smooth}-step mean)" if smooth > 1 else ""))
+    ax.set_title(title or f"{result.experiment}: stored weights in {result.format}")
+    ax.legend(frameon=False)
+    return ax
+
+
+def plot_frozen(result, ax=None, threshold: Optional[float] = None, show_sr: bool = True, title: Optional[str] = None):
+    """Fraction of frozen elements per step: predicted from the reference run against observed in
+    the round-to-nearest run, both freeze steps marked; optionally the fraction stochastic
+    rounding is predicted to leave in place (1 - move fraction) and the observed one.
+
+    Example: ``plot_frozen(result, threshold=0.5)``."""
+    ax = _ax(ax)
+    threshold = threshold or result.config.threshold
+    pred = result.prediction
+    ax.plot(pred.overall, color=COLORS["predicted"], lw=2.2, label="predicted (from fp32 run)")
+    if "nearest" in result.runs and result.runs["nearest"].frozen:
+        ax.plot(result.runs["nearest"].frozen.overall, color=COLORS["nearest"], lw=1.2, ls="-",
+                label="observed, round to nearest")
+    if show_sr and pred.move_fraction:
+        ax.plot(1 - np.asarray(pred.move_fraction), color=COLORS["stochastic"], lw=2.2, alpha=0.5,
+                label="predicted still, stochastic")
+        if "stochastic" in result.runs and result.runs["stochastic"].frozen:
+            ax.plot(result.runs["stochastic"].frozen.overall, color=COLORS["stochastic"], lw=1.0,
+                    label="observed still, stochastic")
+    ax.axhline(threshold, color="0.6", lw=0.8, ls=":")
+    for step, color, name in ((result.predicted_freeze_step(threshold), COLORS["predicted"], "predicted"),
+                              (result.observed_freeze_step("nearest", threshold) if "nearest" in result.runs else None,
+                               COLORS["nearest"], "observed")):
+        if step is not None:
+            ax.axvline(step, color=color, ls="--", lw=1.0)
+            ax.annotate(f"{name}\nstep {step}", (step, threshold), textcoords="offset points",
+                        xytext=(4, -28 if name == "observed" else 6), color=color, fontsize=8)
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_xlabel("step")
+    ax.set_ylabel("fraction of elements not moved")
+    ax.set_title(title or f"{result.experiment}, {result.format}: frozen fraction (threshold {threshold})")
+    ax.legend(frameon=False, fontsize=8, loc="lower right")
+    return ax
+
+
+def plot_frozen_by_tensor(result, ax=None, names: Optional[List[str]] = None, max_tensors: int = 8,
+                          observed: bool = True, threshold: Optional[float] = None):
+    """Predicted (solid) and observed (dotted) frozen fraction of individual tensors, the first
+    to freeze first in the legend.
+
+    Example: ``plot_frozen_by_tensor(result, max_tensors=6)``."""
+    ax = _ax(ax)
+    threshold = threshold or result.config.threshold
+    pred = result.prediction
+    if names is None:
+        steps = pred.tensor_freeze_steps(threshold)
+        names = sorted(steps, key=lambda n: (steps[n] is None, steps[n] or 0, n))
+        if len(names) > max_tensors:  # first and last to freeze, and some in between
+            idx = np.unique(np.linspace(0, len(names) - 1, max_tensors).round().astype(int))
+            names = [names[i] for i in idx]
+    obs = result.runs.get("nearest")
+    cmap = plt.get_cmap("viridis")
+    for i, name in enumerate(names):
+        color = cmap(i / max(1, len(names) - 1))
+        ax.plot(pred.tensor_steps(name), pred.by_tensor[name], color=color, lw=1.6, label=name)
+        if observed and obs is not None and obs.frozen and name in obs.frozen.by_tensor:
+            ax.plot(obs.frozen.tensor_steps(name), obs.frozen.by_tensor[name], color=color, lw=1.0, ls=":")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_xlabel("step")
+    ax.set_ylabel("frozen fraction")
+    ax.set_title("per tensor: predicted (solid), observed (dotted)")
+    ax.legend(frameon=False, fontsize=7, loc="lower right")
+    return ax
+
+
+def plot_freeze_sweep(rows: Sequence[dict], ax=None, color_by: str = "man_bits", title: Optional[str] = None):
+    """Observed against predicted freeze step, one point per run (rows as returned by
+    :func:`lowprec_demo.experiments.sweep`), on the diagonal where the prediction holds; the
+    shaded band is the tolerance max(2 steps, 2 % of the run).
+
+    Example: ``plot_freeze_sweep(sweep("quadratic", man_bits=[3, 5, 7]))``."""
+    ax = _ax(ax)
+    pts = [r for r in rows if r.get("predicted") is not None and r.get("observed") is not None]
+    if pts:
+        hi = max(max(r["predicted"], r["observed"]) for r in pts) * 1.08 + 2
+        xs = np.linspace(0, hi, 200)
+        steps = max(r.get("steps", 0) for r in pts)
+        tol = max(2, 0.02 * steps)
+        ax.fill_between(xs, xs - tol, xs + tol, color="0.85", label=f"tolerance ±{tol:g} steps")
+        ax.plot(xs, xs, color="0.4", lw=0.8)
+        values = sorted({r.get(color_by) for r in pts}, key=lambda v: (v is None, v))
+        cmap = plt.get_cmap("plasma")
+        for i, v in enumerate(values):
+            sel = [r for r in pts if r.get(color_by) == v]
+            ax.scatter([r["predicted"] for r in sel], [r["observed"] for r in sel],
+                       color=cmap(i / max(1, len(values) - 1) * 0.85), s=28, zorder=3, label=f"{color_by} = {v}")
+        ax.set_xlim(0, hi)
+        ax.set_ylim(0, hi)
+    missing = [r for r in rows if r.get("predicted") is None or r.get("observed") is None]
+    if missing:
+        ax.text(0.02, 0.96, f"{len(missing)} run(s) without a freeze step", transform=ax.transAxes,
+                fontsize=8, va="top")
+    ax.set_xlabel("predicted freeze step (from the fp32 run)")
+    ax.set_ylabel("observed freeze step (round to nearest)")
+    ax.set_title(title or "freeze step: predicted vs observed")
+    ax.legend(frameon=False, fontsize=8)
+    return ax
+
+
+def grid_values(fmt, lo: float, hi: float) -> np.ndarray:
+    """All non-negative finite values of ``fmt`` in ``[lo, hi]`` (exact, from the definition).
+
+    Example:
+        >>> grid_values("e2m1", 0, 6).tolist()
+        [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+    """
+    f = get_format(fmt)
+    values = [0.0]
+    values += [k * f.smallest_subnormal for k in range(1, 2**f.man_bits)]
+    for e in range(f.e_min, f.e_max + 1):
+        for k in range(2**f.man_bits):
+            v = (1 + k / 2**f.man_bits) * 2.0**e
+            if v <= f.max:
+                values.append(v)
+            if v > hi:
+                break
+        if 2.0**e > hi:
+            break
+    v = np.array(sorted(set(values)))
+    return v[(v >= lo) & (v <= hi)]
+
+
+def plot_grid(fmt, lo: float = 0.0, hi: float = 4.0, ax=None, y: float = 0.0, color: Optional[str] = None,
+              label: Optional[str] = None):
+    """The representable values of ``fmt`` between ``lo`` and ``hi`` as ticks on a number line.
+
+    Example: ``plot_grid("e4m3", 0, 8)``."""
+    ax = _ax(ax)
+    v = grid_values(fmt, lo, hi)
+    f = get_format(fmt)
+    ax.vlines(v, y - 0.35, y + 0.35, color=color or "C0", lw=1.0)
+    ax.text(lo, y + 0.42, label or f"{f.name} (E{f.exp_bits}M{f.man_bits}): {len(v)} values in [{lo:g}, {hi:g}]",
+            fontsize=8)
+    ax.set_xlim(lo, hi)
+    ax.set_yticks([])
+    ax.set_xlabel("value")
+    return ax
+
+
+def plot_ulp(formats: Sequence, ax=None, lo: float = 1e-4, hi: float = 1e4, relative: bool = False):
+    """ULP against magnitude (log-log) for several formats: a staircase doubling at every power
+    of two, flat below the smallest normal; ``relative=True`` plots ulp(w)/w instead.
+
+    Example: ``plot_ulp(["bf16", "fp16", "e4m3", "e5m2"])``."""
+    ax = _ax(ax)
+    w = np.geomspace(lo, hi, 4000)
+    for i, name in enumerate(formats):
+        f = get_format(name)
+        mask = w <= f.max
+        e = np.maximum(np.floor(np.log2(w[mask])), f.e_min)
+        u = 2.0 ** (e - f.man_bits)
+        ax.plot(w[mask], u / w[mask] if relative else u, label=f.name, lw=1.4, color=f"C{i}")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("|w|")
+    ax.set_ylabel("ulp(w) / |w|" if relative else "ulp(w)")
+    ax.legend(frameon=False)
+    return ax
+
+
+def plot_ratio_histogram(result, ax=None, fmt: Optional[str] = None):
+    """Distribution of ``log2(|update| / gap)`` over all elements and steps of the reference run;
+    the freeze threshold of round-to-nearest sits at -1 (half a gap).
+
+    Example: ``plot_ratio_histogram(result)``."""
+    ax = _ax(ax)
+    rec = result.predictions[get_format(fmt).name] if fmt else result.prediction
+    counts = np.asarray(rec.ratio_histogram, dtype=float)
+    if counts.sum() == 0:
+        return ax
+    centers = np.array([RATIO_BINS[0] - 0.5] + [b - 0.5 for b in RATIO_BINS[1:]] + [RATIO_BINS[-1] + 0.5])
+    ax.bar(centers, counts / counts.sum(), width=0.9, color=COLORS["predicted"])
+    ax.axvline(-1, color=COLORS["nearest"], ls="--", lw=1.0, label="half a gap: nearest freezes left of it")
+    ax.set_xlabel("log2(|update| / gap)  (update measured in grid spacings)")
+    ax.set_ylabel("fraction of element-steps")
+    ax.legend(frameon=False, fontsize=8)
+    return ax
