@@ -254,7 +254,7 @@ def plot_ratio_histogram(result, ax=None, fmt: Optional[str] = None):
     centers = np.array([RATIO_BINS[0] - 0.5] + [b - 0.5 for b in RATIO_BINS[1:]] + [RATIO_BINS[-1] + 0.5])
     ax.bar(centers, counts / counts.sum(), width=0.9, color=COLORS["predicted"])
     ax.axvline(-1, color=COLORS["nearest"], ls="--", lw=1.0, label="half a gap: nearest freezes left of it")
-    ax.set_xlabel("log2(|update| / gap)  (update measured in grid spacings)")
+    ax.set_xlabel("log2(|update| / gap)  (leftmost bar: zero updates and ratios below 2^-24)")
     ax.set_ylabel("fraction of element-steps")
     ax.legend(frameon=False, fontsize=8)
     return ax
