@@ -226,7 +226,11 @@ class FreezePredictor(_StepTracker):
         super().__init__(tensors)
         if isinstance(formats, (str, FloatFormat)):
             formats = [formats]
-        self.formats = [get_format(f) for f in formats]
+        self.formats = []
+        for f in formats:  # one record per distinct grid name, in the order given
+            f = get_format(f)
+            if f.name not in [g.name for g in self.formats]:
+                self.formats.append(f)
         if not self.formats:
             raise ValueError("give at least one format to predict")
         self.rand_bits = rand_bits

@@ -1,0 +1,205 @@
+"""LowPrecisionOptimizer: stored weights on the grid, SR reproducibility, selection, state,
+Kahan compensation, schedulers and state-dict round trips."""
+
+import copy
+
+import pytest
+import torch
+
+import lowprec_demo as lp
+from lowprec_demo.optimizer import LowPrecisionOptimizer, select_params
+
+
+def on_grid(t, fmt):
+    return torch.equal(lp.quantize(t, fmt), t)
+
+
+def small_model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+
+def step_once(model, opt, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(32, 8, generator=g)
+    y = torch.randn(32, 1, generator=g)
+    opt.zero_grad()
+    loss = ((model(x) - y) ** 2).mean()
+    loss.backward()
+    opt.step()
+    return loss.item()
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "e4m3", "e5m3", "fp16"])
+def test_nearest_equals_rounded_fp32_step(fmt):
+    model = small_model()
+    opt = LowPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), fmt)
+    for p in model.parameters():
+        assert on_grid(p.detach(), fmt)  # rounded at construction
+    twin = copy.deepcopy(model)
+    twin_opt = torch.optim.SGD(twin.parameters(), lr=0.05)
+    for s in range(5):
+        step_once(model, opt, s)
+        step_once(twin, twin_opt, s)
+        with torch.no_grad():
+            for p in twin.parameters():
+                p.copy_(lp.quantize(p, fmt))
+        for p, q in zip(model.parameters(), twin.parameters()):
+            assert torch.equal(p, q)
+            assert on_grid(p.detach(), fmt)
+
+
+def test_tiny_update_freezes_under_nearest_and_moves_under_sr():
+    w = torch.nn.Parameter(torch.ones(10_000))
+    opt = LowPrecisionOptimizer(torch.optim.SGD([w], lr=1e-3), "bf16")
+    w.grad = torch.ones_like(w)
+    opt.step()
+    assert torch.all(w == 1.0)  # 1e-3 < ulp(1)/4 = 2**-9 below a power of two
+    w2 = torch.nn.Parameter(torch.ones(10_000))
+    opt2 = LowPrecisionOptimizer(torch.optim.SGD([w2], lr=1e-3), "bf16", rounding="stochastic",
+                                 generator=torch.Generator().manual_seed(0))
+    w2.grad = torch.ones_like(w2)
+    opt2.step()
+    moved = (w2 != 1.0).float().mean().item()
+    # below 1.0 the gap is 2**-8: P(move) = 1e-3 / 2**-8 = 0.256
+    assert abs(moved - 1e-3 / 2**-8) < 0.02
+    assert abs(w2.mean().item() - (1 - 1e-3)) < 2e-5  # unbiased
+
+
+def test_sr_reproducible_from_generator_and_seed():
+    def run(seed):
+        model = small_model()
+        opt = LowPrecisionOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3), "e5m2", rounding="stochastic",
+                                    generator=torch.Generator().manual_seed(seed))
+        for s in range(3):
+            step_once(model, opt, s)
+        return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    assert torch.equal(run(1), run(1))
+    assert not torch.equal(run(1), run(2))
+
+
+def test_int_seed_generator_is_reproducible():
+    a = lp.quantize(torch.linspace(0, 1, 1000), "e4m3", "stochastic", generator=7)
+    b = lp.quantize(torch.linspace(0, 1, 1000), "e4m3", "stochastic", generator=7)
+    assert torch.equal(a, b)
+
+
+def test_matrices_only_selection():
+    model = small_model()
+    biases_before = [m.bias.detach().clone() for m in model if isinstance(m, torch.nn.Linear)]
+    opt = LowPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), "e4m3", params="matrices")
+    assert all(p.dim() == 2 for p in opt.lowprec_params) and len(opt.lowprec_params) == 2
+    for b, m in zip(biases_before, [m for m in model if isinstance(m, torch.nn.Linear)]):
+        assert torch.equal(b, m.bias.detach())  # not rounded at construction
+    step_once(model, opt)
+    lins = [m for m in model if isinstance(m, torch.nn.Linear)]
+    assert all(on_grid(m.weight.detach(), "e4m3") for m in lins)
+    assert not all(on_grid(m.bias.detach(), "e4m3") for m in lins)
+
+
+def test_select_params_errors_and_predicates():
+    params = list(small_model().parameters())
+    assert len(select_params(params, lambda p: p.dim() == 1)) == 2
+    assert len(select_params(params, params[:1])) == 1
+    with pytest.raises(ValueError, match="all, matrices"):
+        select_params(params, "vectors")
+
+
+def test_state_format_keeps_adam_moments_on_grid():
+    model = small_model()
+    opt = LowPrecisionOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3), "bf16", state_format="bf16")
+    for s in range(3):
+        step_once(model, opt, s)
+    for p in model.parameters():
+        st = opt.state[p]
+        assert on_grid(st["exp_avg"], "bf16") and on_grid(st["exp_avg_sq"], "bf16")
+
+
+def test_bf16_second_moment_cannot_decay():
+    # science.md: 0.999 v rounds back to v in bf16 under RNE, since 1 - 0.999 < 2**-9
+    v = torch.tensor([1.0, 0.75, 3e-5, 1.7])
+    v = lp.quantize(v, "bf16")
+    assert torch.equal(lp.quantize(0.999 * v, "bf16"), v)
+    assert lp.would_freeze(v, -0.001 * v, "bf16").all()
+
+
+def test_kahan_recovers_lost_updates():
+    def run(**kw):
+        w = torch.nn.Parameter(torch.ones(4))
+        opt = LowPrecisionOptimizer(torch.optim.SGD([w], lr=1e-3), "bf16", **kw)
+        for _ in range(200):
+            w.grad = torch.ones_like(w)
+            opt.step()
+        return w.detach()
+
+    nearest, kahan = run(), run(compensation="kahan")
+    assert torch.all(nearest == 1.0)
+    exact = 1 - 200 * 1e-3
+    assert torch.all((kahan - exact).abs() <= lp.ulp(torch.tensor(exact), "bf16"))
+    assert on_grid(kahan, "bf16")
+
+
+def test_lr_scheduler_and_zero_grad():
+    model = small_model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = LowPrecisionOptimizer(inner, "bf16")
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    step_once(model, opt)
+    sched.step()
+    assert inner.param_groups[0]["lr"] == pytest.approx(0.05)
+    assert opt.param_groups is inner.param_groups
+    opt.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_state_dict_round_trip_continues_identically():
+    def make():
+        model = small_model()
+        opt = LowPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), "e5m2", rounding="stochastic",
+                                    generator=torch.Generator().manual_seed(3))
+        return model, opt
+
+    model, opt = make()
+    for s in range(3):
+        step_once(model, opt, s)
+    saved_model = copy.deepcopy(model.state_dict())
+    saved_opt = copy.deepcopy(opt.state_dict())
+    for s in range(3, 6):
+        step_once(model, opt, s)
+    model2, opt2 = make()
+    model2.load_state_dict(saved_model)
+    opt2.load_state_dict(saved_opt)
+    for s in range(3, 6):
+        step_once(model2, opt2, s)
+    for p, q in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_kahan_buffers_survive_state_dict():
+    w = torch.nn.Parameter(torch.ones(3))
+    opt = LowPrecisionOptimizer(torch.optim.SGD([w], lr=1e-3), "bf16", compensation="kahan")
+    w.grad = torch.ones(3)
+    opt.step()
+    sd = opt.state_dict()
+    assert sd["lowprec"]["compensation_buffers"][0].abs().sum() > 0
+    w2 = torch.nn.Parameter(w.detach().clone())
+    opt2 = LowPrecisionOptimizer(torch.optim.SGD([w2], lr=1e-3), "bf16", compensation="kahan")
+    opt2.load_state_dict(sd)
+    assert torch.equal(opt2._compensation_buffers[w2], opt._compensation_buffers[w])
+    with pytest.raises(ValueError, match="saved for format bf16"):
+        LowPrecisionOptimizer(torch.optim.SGD([torch.nn.Parameter(torch.ones(3))], lr=1e-3), "fp16").load_state_dict(sd)
+
+
+def test_bad_arguments_name_allowed_values():
+    p = [torch.nn.Parameter(torch.ones(2))]
+    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+        LowPrecisionOptimizer(object(), "bf16")
+    with pytest.raises(ValueError, match="nearest, stochastic"):
+        LowPrecisionOptimizer(torch.optim.SGD(p, lr=1), "bf16", rounding="up")
+    with pytest.raises(ValueError, match="kahan"):
+        LowPrecisionOptimizer(torch.optim.SGD(p, lr=1), "bf16", compensation="pairwise")
+    with pytest.raises(ValueError, match="valid names"):
+        LowPrecisionOptimizer(torch.optim.SGD(p, lr=1), "bf17")
+    with pytest.raises(ValueError, match="saturate"):
+        LowPrecisionOptimizer(torch.optim.SGD(p, lr=1), "e4m3", overflow="inf")

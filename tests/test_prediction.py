@@ -1,0 +1,101 @@
+"""The freeze predictor against a brute-force reference, the observer, freeze steps."""
+
+import math
+from fractions import Fraction
+
+import pytest
+import torch
+
+import lowprec_demo as lp
+from lowprec_demo.prediction import FreezeObserver, FreezePredictor, freeze_order, freeze_step, steps_agree
+
+
+def brute_force_frozen(old: torch.Tensor, new: torch.Tensor, fmt: str) -> float:
+    """Element by element: q(q(w) + d) == q(w), with the exact sum rounded by the package's fp64
+    path (single rounding of an exactly representable sum: w and d are fp32 and close)."""
+    stored = lp.quantize(old, fmt).double()
+    update = new.double() - old.double()
+    exact_sum = stored + update          # exact in fp64 here: |d| << |w| or both tiny
+    return (lp.quantize(exact_sum, fmt) == stored).double().mean().item()
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "e4m3", "fp16", "e3m2"])
+def test_predictor_matches_brute_force(fmt):
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(500) * 3)
+    v = torch.nn.Parameter(torch.rand(7, 11) + 0.5)
+    predictor = FreezePredictor({"w": w, "v": v}, formats=[fmt, "bf16"])
+    expected_w, expected_v = [], []
+    for step in range(6):
+        scale = 10.0 ** -(step + 1)
+        predictor.before_step()
+        old_w, old_v = w.detach().clone(), v.detach().clone()
+        with torch.no_grad():
+            w += scale * torch.randn_like(w)
+            v -= scale * torch.rand_like(v)
+        predictor.after_step()
+        expected_w.append(brute_force_frozen(old_w, w.detach(), fmt))
+        expected_v.append(brute_force_frozen(old_v, v.detach(), fmt))
+    rec = predictor.record(fmt)
+    assert rec.by_tensor["w"] == pytest.approx(expected_w, abs=1e-12)
+    assert rec.by_tensor["v"] == pytest.approx(expected_v, abs=1e-12)
+    overall = [(500 * a + 77 * b) / 577 for a, b in zip(expected_w, expected_v)]
+    assert rec.overall == pytest.approx(overall, abs=1e-12)
+    assert set(predictor.records) == {lp.get_format(fmt).name, "bf16"}
+    # fractions rise as updates shrink
+    assert rec.overall[-1] >= rec.overall[0]
+
+
+def test_sr_move_fraction_is_mean_probability():
+    w = torch.nn.Parameter(torch.ones(1000))
+    predictor = FreezePredictor({"w": w}, formats=["bf16"], rand_bits=2)
+    predictor.before_step()
+    with torch.no_grad():
+        w[:500] += 2**-10      # 1/8 of the gap above 1.0: p = 0.125; with 2 bits rounds to 0
+        w[500:] -= 2**-10      # 1/4 of the gap below 1.0: p = 0.25; with 2 bits stays 0.25
+    predictor.after_step()
+    rec = predictor.record()
+    assert rec.move_fraction == [pytest.approx((0.125 + 0.25) / 2)]
+    assert rec.fewbit_frozen == [pytest.approx(0.5)]
+    assert rec.overall == [1.0]
+    # histogram: log2 ratios -3 and -2
+    assert sum(rec.ratio_histogram) == 1000
+
+
+def test_observer_counts_unchanged_elements_and_state_appears_later():
+    w = torch.nn.Parameter(torch.zeros(4))
+    opt = torch.optim.Adam([w], lr=0.1)
+    state = lambda: {"exp_avg": opt.state[w]["exp_avg"]} if opt.state[w] else {}
+    obs_params = FreezeObserver({"w": w})
+    obs_state = FreezeObserver(state)
+    for step in range(3):
+        w.grad = torch.tensor([1.0, 0.0, 0.0, 0.0])
+        obs_params.before_step(); obs_state.before_step()
+        opt.step()
+        obs_params.after_step(); obs_state.after_step()
+    assert obs_params.record.overall == [0.75, 0.75, 0.75]
+    assert math.isnan(obs_state.record.overall[0])  # no state before the first step
+    assert obs_state.record.by_tensor["exp_avg"][1:] == [0.75, 0.75]
+
+
+def test_freeze_step_definition():
+    assert freeze_step([0, 0.6, 0.4, 0.7, 0.9], 0.5) == 3
+    assert freeze_step([0.9, 0.9], 0.5) == 0
+    assert freeze_step([0.9, 0.1], 0.5) is None
+    assert freeze_step([], 0.5) is None
+    with pytest.raises(ValueError, match=r"\(0, 1\]"):
+        freeze_step([1.0], 0.0)
+
+
+def test_steps_agree_tolerance():
+    assert steps_agree(10, 12, 50)        # 2 steps
+    assert not steps_agree(10, 13, 50)
+    assert steps_agree(100, 110, 500)     # 2 % of 500
+    assert not steps_agree(100, 111, 500)
+    assert not steps_agree(None, 3, 10)
+
+
+def test_freeze_order_lists_first_frozen_first():
+    rec = lp.FreezeRecord(format="bf16", kind="predicted",
+                          by_tensor={"a": [0, 0, 1, 1], "b": [1, 1, 1, 1], "c": [0, 0, 0, 0]})
+    assert freeze_order(rec, 0.5) == [("b", 0), ("a", 2), ("c", None)]
