@@ -11,7 +11,7 @@ Three ways to store the result of a step:
     Round to nearest, ties to even. An update below half an ulp of the weight is lost: the weight
     freezes although its gradient is not zero.
 ``rounding="stochastic"``
-    Stochastic rounding, unbiased: small updates move the weight with probability |d|/ulp.
+    Stochastic rounding, unbiased: small updates move the weight with probability ``|d|/ulp``.
 ``compensation="kahan"``
     Nearest rounding plus a per-element compensation buffer (kept in the parameter's dtype) that
     carries the rounding residual into the next step, as in Kahan summation: lost updates pile up

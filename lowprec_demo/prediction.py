@@ -95,7 +95,7 @@ class FreezeRecord:
     ``overall[t]`` is the element-weighted mean over all tensors at step t, ``by_tensor[name][t]``
     the fraction of one tensor, ``sizes[name]`` its element count. Predictions also carry
     ``move_fraction`` (expected fraction of elements SR moves) and ``ratio_histogram`` (counts of
-    log2(|d|/gap) per bin of :data:`RATIO_BINS`, summed over the run).
+    ``log2(|d|/gap)`` per bin of :data:`RATIO_BINS`, summed over the run).
     """
 
     format: str
