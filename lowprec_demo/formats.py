@@ -120,8 +120,9 @@ class FloatFormat:
 
     @property
     def has_nan(self) -> bool:
-        """Whether the format encodes NaN."""
-        return self.kind != "finite"
+        """Whether the format encodes NaN. An "ieee" format without mantissa bits has a single
+        pattern in its top exponent field, inf, and so no NaN."""
+        return self.kind == "fn" or (self.kind == "ieee" and self.man_bits > 0)
 
     # --- landmarks of the grid (exact as Python floats: every one is a dyadic rational) ---
     @property
@@ -250,6 +251,9 @@ def get_format(name: Union[str, FloatFormat]) -> FloatFormat:
     match = _GENERIC.match(key)
     if match:
         exp_bits, man_bits = int(match.group(1)), int(match.group(2))
+        key = f"e{exp_bits}m{man_bits}"  # "e04m3" is "e4m3", the named OCP format
+        if key in _NAMED:
+            return _NAMED[key]
         if exp_bits in EXP_BITS_RANGE and man_bits in MAN_BITS_RANGE:
             return FloatFormat(exp_bits, man_bits, "ieee", key)
     raise ValueError(

@@ -35,6 +35,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -75,6 +76,8 @@ _SPECS = {
 }
 _NARROW = {torch.float16: FloatFormat(5, 10, "ieee", "fp16"),
            torch.bfloat16: FloatFormat(8, 7, "ieee", "bf16")}
+# what a tensor of each dtype can hold: a format with E = 8 and no inf reaches the binade 2**128
+_HOLDS = {**_NARROW, torch.float32: FloatFormat(8, 23, "ieee", "fp32")}
 _SUPPORTED = "float32, float64, float16 or bfloat16"
 
 
@@ -95,10 +98,11 @@ def _contains(outer: FloatFormat, inner: FloatFormat) -> bool:
 
 
 def _check_narrow(dtype: torch.dtype, fmt: FloatFormat) -> None:
-    if dtype in _NARROW and not _contains(_NARROW[dtype], fmt):
+    if dtype in _HOLDS and not _contains(_HOLDS[dtype], fmt):
+        wider = "a float32 or float64 tensor" if _contains(_HOLDS[torch.float32], fmt) else "a float64 tensor"
         raise ValueError(
             f"format {fmt.name} has values that {dtype} cannot hold, so the result could not lie on "
-            f"the {fmt.name} grid; quantize a float32 or float64 tensor instead"
+            f"the {fmt.name} grid; quantize {wider} instead"
         )
 
 
@@ -192,11 +196,19 @@ def _nearest_bits(a: torch.Tensor, drop: int) -> torch.Tensor:
     """RNE of a non-negative float32 tensor to ``23 - drop`` mantissa bits by integer arithmetic on
     its bit pattern, in place. Valid for formats with fp32's exponent range (E = 8): their
     subnormals line up with fp32's, and a carry out of the mantissa runs into the exponent (and on
-    to the pattern of inf) exactly as rounding does."""
+    to the pattern of inf) exactly as rounding does.
+
+    A tie goes to the neighbour that is an even multiple of the gap: the one whose last kept bit
+    is 0. With no mantissa bit kept (m = 0) that bit would be the exponent's; there the upper
+    neighbour of a tie between normal numbers, 2**(e+1), is always the even multiple (of 2**e),
+    as in the float64 path."""
     spec = _SPECS[a.dtype]
     u = a.view(spec.itype)
     nan = u > spec.exp_all_ones
-    lsb = (u >> drop) & 1
+    if drop < spec.man_bits:
+        lsb = (u >> drop) & 1
+    else:  # m = 0: odd for every normal number, even for 0 (a tie with the smallest normal)
+        lsb = (u >= (1 << spec.man_bits)).to(spec.itype)
     u += lsb
     u += (1 << (drop - 1)) - 1
     u &= ~((1 << drop) - 1)
@@ -227,6 +239,11 @@ def _nearest_magnitude(a: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
     spec = _SPECS[a.dtype]
     drop = spec.man_bits - fmt.man_bits
     if drop == 0:
+        # float32 input and m = 23: only the format's subnormals can be coarser than the input's
+        # grid (when E < 8); there the magic number 2**e_min has their spacing as its ulp.
+        if fmt.e_min > 1 - spec.bias:
+            small = a < fmt.smallest_normal
+            a.copy_(torch.where(small, _nearest_magic(a.clone(), fmt), a))
         return a
     if a.dtype == torch.float32 and fmt.exp_bits == 8:
         return _nearest_bits(a, drop)
@@ -281,6 +298,15 @@ def _apply_overflow(r: torch.Tensor, fmt: FloatFormat, policy: str) -> torch.Ten
     return r.masked_fill_(r > fmt.max, value)
 
 
+@functools.lru_cache(maxsize=None)
+def _cpu_cast_saturates(dtype: torch.dtype) -> bool:
+    """Whether torch's CPU cast from float32 to ``dtype`` sends values beyond max, and infinities,
+    to +-max. Recent torch does for float8_e4m3fn; older versions (2.11, for one) give NaN."""
+    top = torch.finfo(dtype).max
+    probe = torch.tensor([top * 1.04, top * 4, math.inf, -math.inf]).to(dtype).float()
+    return probe.tolist() == [top, top, top, -top]
+
+
 def _native_dtype(x: torch.Tensor, fmt: FloatFormat, policy: str) -> Optional[torch.dtype]:
     """A torch dtype whose cast from ``x`` is already the exact RNE (single rounding) with this
     overflow policy, or None."""
@@ -290,6 +316,8 @@ def _native_dtype(x: torch.Tensor, fmt: FloatFormat, policy: str) -> Optional[to
     if x.dtype == torch.float32:
         # torch's float8 casts are checked bit for bit on the CPU; elsewhere use the exact path.
         if dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and x.device.type != "cpu":
+            return None
+        if dtype == torch.float8_e4m3fn and not _cpu_cast_saturates(dtype):
             return None
         return dtype
     if x.dtype == torch.float64 and dtype == torch.float32:
@@ -335,8 +363,8 @@ def quantize(x: torch.Tensor, fmt: Union[str, FloatFormat], rounding: str = "nea
 
     if rounding == "nearest":
         native = _native_dtype(x, fmt, policy)
-        if native is not None:
-            return x.to(native).to(x.dtype)
+        if native is not None:  # (a new tensor also when the cast is the identity)
+            return x.to(native).to(x.dtype) if native != x.dtype else x.clone()
         r = _nearest_magnitude(x.abs(), fmt)
     else:
         seed = _draw_seed(generator)
@@ -411,8 +439,9 @@ def would_freeze(w: torch.Tensor, d: torch.Tensor, fmt: Union[str, FloatFormat],
                  overflow: Optional[str] = None) -> torch.Tensor:
     """Whether round-to-nearest of the exact sum ``q(w) + d`` gives back ``q(w)``, element-wise.
 
-    The rule: frozen exactly when ``|d| < gap/2``, or ``|d| == gap/2`` and ``q(w)`` has an even
-    last mantissa bit (the tie goes to the even neighbour), where gap is the spacing on d's side:
+    The rule: frozen exactly when ``|d| < gap/2``, or ``|d| == gap/2`` and ``q(w)`` is an even
+    multiple of gap (the tie goes to the even neighbour; for m >= 1 that is an even last mantissa
+    bit), where gap is the spacing on d's side:
     ``ulp(w)``, except moving toward zero from a power of two above the smallest normal, where the
     grid below is twice as fine and the threshold is ``ulp(w)/4``. A saturating format also keeps
     ``+-max`` under any outward update. Infinite weights stay frozen; NaN never counts as frozen.
@@ -426,17 +455,13 @@ def would_freeze(w: torch.Tensor, d: torch.Tensor, fmt: Union[str, FloatFormat],
     check_overflow_policy(fmt, policy)
     w, d = _prepare_pair(w, d, fmt)
     gap = _side_gap(w, d, fmt)
-    half = gap * 0.5
-    ad = d.abs()
-    spec = _SPECS[w.dtype]
-    ulp_w = _pow2((_biased_exponent(w.abs()).clamp(min=fmt.e_min + spec.bias)
-                   - (spec.bias + fmt.man_bits)), w.dtype)
-    even = torch.remainder(w.abs() / ulp_w, 2.0) == 0
-    frozen = (ad < half) | ((ad == half) & even)
+    twice = d.abs() * 2  # compared with gap rather than |d| with gap / 2, which can underflow
+    even = torch.remainder(w.abs() / gap, 2.0) == 0
+    frozen = (twice < gap) | ((twice == gap) & even)
     if policy == "saturate":
         outward = (d != 0) & ((d > 0) == (w > 0))
         frozen |= (w.abs() == fmt.max) & outward
-    frozen |= torch.isinf(w) & torch.isfinite(d)
+    frozen |= torch.isinf(w) & (torch.isfinite(d) | (d == w))
     return frozen & ~torch.isnan(w) & ~torch.isnan(d)
 
 
@@ -444,14 +469,21 @@ def move_probability(w: torch.Tensor, d: torch.Tensor, fmt: Union[str, FloatForm
                      rand_bits: Optional[int] = None) -> torch.Tensor:
     """Probability that stochastic rounding of ``q(w) + d`` differs from ``q(w)``:
     ``min(1, |d|/gap)``; with k random bits the position in the gap is resolved to k bits,
-    ``round(|d|/gap * 2**k) / 2**k``, so updates below ``2**-(k+1)`` gaps never move.
+    ``round(|d|/gap * 2**k) / 2**k``, so updates below ``2**-(k+1)`` gaps never move. An
+    infinite ``q(w)`` never moves under a finite update (or one of its own sign), nor does
+    ``+-max`` of a saturating format under an outward one.
 
     Example:
         >>> move_probability(torch.tensor([1.0]), torch.tensor([2**-10]), "bf16").tolist()
         [0.125]
     """
     _check_rand_bits(rand_bits)
-    ratio = update_ulp_ratio(w, d, fmt).clamp_(max=1.0)
+    fmt = get_format(fmt)
+    w, d = _prepare_pair(w, d, fmt)
+    ratio = (d.abs() / _side_gap(w, d, fmt)).clamp_(max=1.0)
     if rand_bits is not None:
         ratio = ratio.mul_(2.0**rand_bits).round_().div_(2.0**rand_bits)
-    return ratio
+    stuck = torch.isinf(w) & (torch.isfinite(d) | (d == w))
+    if fmt.overflow == "saturate":
+        stuck |= (w.abs() == fmt.max) & (d != 0) & ((d > 0) == (w > 0))
+    return ratio.masked_fill_(stuck, 0.0)
