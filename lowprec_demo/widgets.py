@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, Sequence
 import matplotlib.pyplot as plt
 from matplotlib import animation
 
-__all__ = ["interact", "animate", "mantissa_slider", "lr_slider", "has_widgets"]
+__all__ = ["interact", "animate", "mantissa_slider", "exponent_slider", "lr_slider", "has_widgets"]
 
 
 def has_widgets() -> bool:
@@ -30,15 +30,40 @@ def has_widgets() -> bool:
     return True
 
 
-def mantissa_slider(value: int = 7, low: int = 1, high: int = 12, description: str = "mantissa bits"):
-    """An integer slider for the number of stored mantissa bits."""
+class Fixed:
+    """What a slider becomes without ipywidgets: its initial ``value`` only."""
+
+    def __init__(self, value) -> None:
+        self.value = value
+
+    def __repr__(self) -> str:
+        return f"Fixed({self.value!r})"
+
+
+def _int_slider(value: int, low: int, high: int, description: str):
+    if not has_widgets():
+        return Fixed(value)
     import ipywidgets as w
     return w.IntSlider(value=value, min=low, max=high, step=1, description=description, continuous_update=False,
                        style={"description_width": "initial"})
 
 
+def mantissa_slider(value: int = 7, low: int = 1, high: int = 12, description: str = "mantissa bits"):
+    """An integer slider for the number of stored mantissa bits (a :class:`Fixed` value when
+    ipywidgets is missing). Example: ``mantissa_slider(3, 1, 10)``."""
+    return _int_slider(value, low, high, description)
+
+
+def exponent_slider(value: int = 5, low: int = 2, high: int = 8, description: str = "exponent bits"):
+    """An integer slider for the number of exponent bits (2..8). Example: ``exponent_slider(4)``."""
+    return _int_slider(value, low, high, description)
+
+
 def lr_slider(value: float = 0.1, low_exp: float = -4, high_exp: float = 0, description: str = "learning rate"):
-    """A log-scale slider for the learning rate, from 10**low_exp to 10**high_exp."""
+    """A log-scale slider for the learning rate, from 10**low_exp to 10**high_exp (a
+    :class:`Fixed` value when ipywidgets is missing). Example: ``lr_slider(0.01, -3, -1)``."""
+    if not has_widgets():
+        return Fixed(value)
     import ipywidgets as w
     return w.FloatLogSlider(value=value, base=10, min=low_exp, max=high_exp, step=0.25, description=description,
                             continuous_update=False, style={"description_width": "initial"}, readout_format=".2g")
