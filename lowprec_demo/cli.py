@@ -19,8 +19,15 @@ from __future__ import annotations
 
 import argparse
 import ast
+import os
 import sys
 from typing import List, Optional
+
+if __name__ == "__main__" and not __package__:
+    # run as a file (``torchrun lowprec_demo/cli.py run ...``): import the package it belongs to
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import lowprec_demo  # noqa: F401
+    __package__ = "lowprec_demo"
 
 from .formats import FORMAT_NAMES, get_format
 from .runtime import DEVICES, SCALES
@@ -73,8 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """Entry point; returns the exit status."""
+    """Entry point; returns the exit status. Under ``torchrun`` every process trains its share
+    and only rank 0 prints and writes the JSON."""
     from .experiments import experiment_names, get_experiment, run_experiment
+    from .training import finish_distributed, init_distributed
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "list":
@@ -96,11 +105,16 @@ def main(argv: Optional[List[str]] = None) -> int:
             overrides["predict_formats"] = tuple(f.strip() for f in args.predict.split(",") if f.strip())
         if args.variants:
             overrides["variants"] = tuple(v.strip() for v in args.variants.split(",") if v.strip())
+        main_process = init_distributed(args.device).is_main
         result = run_experiment(args.experiment, fmt=args.fmt, steps=args.steps, lr=args.lr, seed=args.seed,
-                                device=args.device, scale=args.scale, progress=not args.no_progress, **overrides)
+                                device=args.device, scale=args.scale,
+                                progress=main_process and not args.no_progress, **overrides)
+        finish_distributed()
     except (ValueError, TypeError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if not main_process:
+        return 0
     path = result.save(args.out, max_points=args.max_points)
     s = result.summary()
     print(f"{s['experiment']} {s['format']}: predicted freeze step {s['predicted_freeze_step']}, "

@@ -11,7 +11,12 @@
 
 An experiment describes itself as a :class:`Task` (model, batches, loss, evaluation); the loop
 owns the optimizer, the learning-rate schedule, rounding, tracking and progress bars, and returns
-a :class:`TrainResult` that the plotting helpers and the command line take.
+a :class:`TrainResult` that the plotting helpers and the command line take. ``train_formats`` runs
+one reference for several formats at once (the reference predicts them all).
+
+Under ``torchrun --nproc_per_node=N`` the same functions train data-parallel: each process a
+replica on its share of every batch, gradients averaged (DistributedDataParallel), stochastic
+rounding seeded alike everywhere so the replicas stay bit-identical.
 
 Example:
     >>> from lowprec_demo.experiments import run_experiment
@@ -33,7 +38,7 @@ import tempfile
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 
@@ -42,8 +47,9 @@ from .optimizer import LowPrecisionOptimizer, select_params
 from .prediction import FreezeObserver, FreezePredictor, FreezeRecord, freeze_step, steps_agree
 from .runtime import pick_device, progress_bar
 
-__all__ = ["TrainConfig", "Task", "RunRecord", "TrainResult", "train_variants", "lr_factor",
-           "VARIANTS", "OPTIMIZERS", "SCHEDULES", "provenance", "atomic_write_json"]
+__all__ = ["TrainConfig", "Task", "RunRecord", "TrainResult", "train_variants", "train_formats", "run_formats",
+           "lr_factor", "VARIANTS", "OPTIMIZERS", "SCHEDULES", "provenance", "atomic_write_json",
+           "Distributed", "init_distributed", "finish_distributed"]
 
 VARIANTS = ("reference", "nearest", "stochastic", "kahan")
 OPTIMIZERS = ("sgd", "adamw", "adam")
@@ -133,6 +139,9 @@ class Task:
         evaluate: optional ``f(model) -> dict of floats`` (e.g. validation loss, accuracy).
         param_groups: optional ``f(model, config) -> list of dicts`` for the optimizer (e.g. weight
             decay only on matrices); default: one group.
+        shard: optional ``f(batch, rank, world_size) -> this process's share of the batch`` for
+            data-parallel training under torchrun (e.g. an equal block of rows); without it every
+            process computes the loss of the whole batch (correct, but no faster).
         description: one line for the output, e.g. which data was used.
     """
 
@@ -141,6 +150,7 @@ class Task:
     loss: Callable[[torch.nn.Module, Any], torch.Tensor]
     evaluate: Optional[Callable[[torch.nn.Module], Dict[str, float]]] = None
     param_groups: Optional[Callable[[torch.nn.Module, TrainConfig], list]] = None
+    shard: Optional[Callable[[Any, int, int], Any]] = None
     description: str = ""
 
 
@@ -307,6 +317,8 @@ def atomic_write_json(path, data: dict) -> Path:
 
 
 def _git_commit() -> Optional[str]:
+    """The checkout's commit (with ``-dirty`` for uncommitted changes); where there is no git
+    repository (a copied working tree), ``$LOWPREC_GIT_COMMIT`` if set."""
     here = Path(__file__).resolve().parent
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
@@ -316,7 +328,7 @@ def _git_commit() -> Optional[str]:
             return out.stdout.strip() + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         pass
-    return None
+    return os.environ.get("LOWPREC_GIT_COMMIT") or None
 
 
 def provenance(device: str) -> dict:
@@ -373,16 +385,115 @@ def _named_lowprec(model: torch.nn.Module, config: TrainConfig) -> Dict[str, tor
     return {n: p for n, p in model.named_parameters() if id(p) in chosen}
 
 
+# ------------------------------------------------------------------------------------------------
+# Data parallel training under torchrun
+# ------------------------------------------------------------------------------------------------
+@dataclass
+class Distributed:
+    """This process's place in a data-parallel job: ``world_size`` processes, this one ``rank``.
+
+    One process (``world_size == 1``) is the ordinary case; ``torchrun --nproc_per_node=N`` sets
+    ``WORLD_SIZE``, ``RANK`` and ``LOCAL_RANK``, and :func:`init_distributed` joins the group.
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    backend: str = ""
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        """Only the main process (rank 0) writes files and shows progress."""
+        return self.rank == 0
+
+
+def init_distributed(device: str = "auto") -> Distributed:
+    """Join the process group that ``torchrun`` describes in the environment (``WORLD_SIZE > 1``),
+    with the NCCL backend on GPUs (one per process, ``LOCAL_RANK``) and gloo on CPUs. A single
+    process gets ``Distributed()`` and nothing happens. Safe to call more than once.
+
+    Example:
+        >>> init_distributed("cpu").world_size   # without torchrun
+        1
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size <= 1:
+        return Distributed()
+    import torch.distributed as dist
+    rank = int(os.environ["RANK"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    on_gpu = pick_device(device).startswith("cuda")
+    if on_gpu:
+        torch.cuda.set_device(local_rank)   # so that "cuda" means this process's GPU
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if on_gpu else "gloo")
+    return Distributed(rank=rank, world_size=world_size, local_rank=local_rank, backend=dist.get_backend())
+
+
+def finish_distributed() -> None:
+    """Leave the process group, if this process joined one (the end of a torchrun job)."""
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+class _DataParallel(torch.nn.parallel.DistributedDataParallel):
+    """DistributedDataParallel that also answers the wrapped model's attributes, so a task's
+    ``loss(model, batch)`` works unchanged with or without torchrun."""
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.module, name)
+
+
+def _mean_over_ranks(value: torch.Tensor, dist_info: Distributed) -> torch.Tensor:
+    """The mean of a scalar over all processes: the loss of the whole batch, as one process
+    would compute it."""
+    if not dist_info.enabled:
+        return value
+    import torch.distributed as dist
+    total = value.clone()
+    dist.all_reduce(total)
+    return total / dist_info.world_size
+
+
+def _replicas_identical(model: torch.nn.Module, dist_info: Distributed) -> bool:
+    """Whether every process holds bit-identical parameters (compares a sha256 of their bytes)."""
+    import hashlib
+    import torch.distributed as dist
+    digest = hashlib.sha256()
+    for p in model.parameters():
+        digest.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    digests = [None] * dist_info.world_size
+    dist.all_gather_object(digests, digest.hexdigest())
+    return len(set(digests)) == 1
+
+
+# ------------------------------------------------------------------------------------------------
+# The loop
+# ------------------------------------------------------------------------------------------------
 def _run_one(variant: str, model: torch.nn.Module, task: Task, config: TrainConfig, device: str,
-             predictor_formats: Sequence[str], progress: bool):
+             predictor_formats: Sequence[str], progress: bool, dist_info: Distributed = Distributed()):
     dtype = torch.float64 if (variant == "reference" and config.reference_dtype == "float64") else torch.float32
     model = model.to(device=device, dtype=dtype)
+    net = model
+    if dist_info.enabled:   # gradients are averaged over processes, each on its share of the batch
+        net = _DataParallel(model, device_ids=[dist_info.local_rank] if device.startswith("cuda") else None)
     opt = _make_optimizer(model, task, config)
     tracked = _named_lowprec(model, config)
     predictor = observer = None
     if variant == "reference":
         predictor = FreezePredictor(tracked, predictor_formats, rand_bits=config.rand_bits)
     else:
+        # the same seed on every process: stochastic rounding draws the same bits everywhere,
+        # so data-parallel replicas stay bit-identical
         gen = torch.Generator().manual_seed(config.seed + 1)
         opt = LowPrecisionOptimizer(opt, config.format, rounding="stochastic" if variant == "stochastic" else "nearest",
                                     generator=gen, rand_bits=config.rand_bits,
@@ -396,9 +507,12 @@ def _run_one(variant: str, model: torch.nn.Module, task: Task, config: TrainConf
     for step in bar:
         model.train()
         batch = task.batch(step)
-        loss = task.loss(model, batch)
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"{variant}: loss became {loss.item()} at step {step}")
+        if dist_info.enabled and task.shard is not None:
+            batch = task.shard(batch, dist_info.rank, dist_info.world_size)
+        loss = task.loss(net, batch)
+        loss_value = _mean_over_ranks(loss.detach(), dist_info)
+        if not torch.isfinite(loss_value):
+            raise FloatingPointError(f"{variant}: loss became {loss_value.item()} at step {step}")
         opt.zero_grad(set_to_none=True)
         loss.backward()
         tracker = predictor or observer
@@ -407,7 +521,7 @@ def _run_one(variant: str, model: torch.nn.Module, task: Task, config: TrainConf
         opt.step()
         tracker.after_step()
         sched.step()
-        record.loss.append(float(loss.item()))
+        record.loss.append(float(loss_value.item()))
         last = step == config.steps - 1
         if task.evaluate and ((config.eval_every and (step + 1) % config.eval_every == 0) or last):
             model.eval()
@@ -422,23 +536,122 @@ def _run_one(variant: str, model: torch.nn.Module, task: Task, config: TrainConf
     record.seconds = (datetime.now() - start).total_seconds()
     if observer is not None:
         record.frozen = observer.record
-    return record, predictor
+    return record, predictor, model
+
+
+def _setup(config: TrainConfig, progress: bool):
+    dist_info = init_distributed(config.device)
+    device = pick_device(config.device)
+    if device == "cuda" and dist_info.enabled:
+        device = f"cuda:{dist_info.local_rank}"
+    return dist_info, device, progress and dist_info.is_main
+
+
+def _provenance(device: str, dist_info: Distributed, identical: Dict[str, bool]) -> dict:
+    p = provenance(device)
+    if dist_info.enabled:
+        p["distributed"] = {"world_size": dist_info.world_size, "backend": dist_info.backend,
+                            "replicas_identical": identical}
+    return p
 
 
 def train_variants(experiment: str, task: Task, config: TrainConfig, progress: bool = True) -> TrainResult:
     """Train the reference and every low-precision variant of ``config.variants`` from one
     initialisation on the same batches, predicting and observing freezes.
 
+    Under ``torchrun`` with several processes, each trains a replica on its share of every batch
+    (``task.shard``; the whole batch when the task has none) and gradients are averaged, so the
+    global batch is the one a single process uses; every process returns the same result, and
+    ``provenance["distributed"]`` records whether the replicas ended bit-identical.
+
     Example: see the module docstring (``run_experiment`` builds the task and config)."""
-    device = pick_device(config.device)
+    dist_info, device, progress = _setup(config, progress)
     init = task.make_model(torch.Generator().manual_seed(config.seed))
     runs: Dict[str, RunRecord] = {}
     predictions: Dict[str, FreezeRecord] = {}
+    identical: Dict[str, bool] = {}
     for variant in config.variants:
         model = copy.deepcopy(init)
-        record, predictor = _run_one(variant, model, task, config, device, config.formats, progress)
+        record, predictor, model = _run_one(variant, model, task, config, device, config.formats, progress, dist_info)
         runs[variant] = record
         if predictor is not None:
             predictions = dict(predictor.records)
+        if dist_info.enabled:
+            identical[variant] = _replicas_identical(model, dist_info)
+        del model
     return TrainResult(experiment=experiment, config=config, runs=runs, predictions=predictions,
-                       provenance=provenance(device), description=task.description)
+                       provenance=_provenance(device, dist_info, identical), description=task.description)
+
+
+Variants = Union[Sequence[str], Dict[str, Sequence[str]]]
+
+
+def train_formats(experiment: str, task: Task, config: TrainConfig, formats: Sequence[str],
+                  variants: Variants = ("nearest",), progress: bool = True) -> Dict[str, TrainResult]:
+    """One reference run predicting every format of ``formats`` at once, then the low-precision
+    ``variants`` in each format, all from one initialisation on the same batches. Returns one
+    TrainResult per format (keyed by format name) that share the reference run: the same as
+    ``train_variants`` per format, for one reference run instead of one per format.
+
+    ``variants`` is a list for every format, or a dict ``{format: list}`` (formats left out get
+    ``("nearest",)``).
+
+    Example:
+        >>> results = run_formats("quadratic", ["e8m3", "bf16"], steps=50, progress=False)
+        >>> sorted(results)
+        ['bf16', 'e8m3']
+    """
+    names = [get_format(f).name for f in formats]
+    if not names:
+        raise ValueError("give at least one format")
+    if isinstance(variants, dict):
+        chosen = {get_format(f).name: tuple(v) for f, v in variants.items()}
+        per_format = {n: chosen.get(n, ("nearest",)) for n in names}
+    else:
+        per_format = {n: tuple(variants) for n in names}
+    bad = [v for vs in per_format.values() for v in vs if v not in VARIANTS or v == "reference"]
+    if bad:
+        raise ValueError(f"variants are the low-precision runs, drawn from nearest, stochastic, kahan; got {bad}")
+    dist_info, device, progress = _setup(config, progress)
+    init = task.make_model(torch.Generator().manual_seed(config.seed))
+    ref_config = dataclasses.replace(config, format=names[0], predict_formats=tuple(names[1:]),
+                                     variants=("reference",))
+    reference, predictor, model = _run_one("reference", copy.deepcopy(init), task, ref_config, device,
+                                           ref_config.formats, progress, dist_info)
+    identical = {"reference": _replicas_identical(model, dist_info)} if dist_info.enabled else {}
+    del model
+    results: Dict[str, TrainResult] = {}
+    for name in names:
+        cfg = dataclasses.replace(config, format=name, predict_formats=tuple(n for n in names if n != name),
+                                  variants=("reference", *per_format[name]))
+        runs = {"reference": reference}
+        ident = dict(identical)
+        for variant in per_format[name]:
+            record, _, model = _run_one(variant, copy.deepcopy(init), task, cfg, device, cfg.formats, progress,
+                                        dist_info)
+            runs[variant] = record
+            if dist_info.enabled:
+                ident[variant] = _replicas_identical(model, dist_info)
+            del model
+        results[name] = TrainResult(experiment=experiment, config=cfg, runs=runs, predictions=dict(predictor.records),
+                                    provenance=_provenance(device, dist_info, ident), description=task.description)
+    return results
+
+
+def run_formats(name: str, formats: Sequence[str], variants: Variants = ("nearest",), seed: int = 0,
+                device: str = "auto", scale: Optional[str] = None, progress: bool = True,
+                **overrides) -> Dict[str, TrainResult]:
+    """:func:`train_formats` for a named experiment: one reference run predicting every format,
+    then ``variants`` in each format. Other arguments as for
+    :func:`lowprec_demo.experiments.run_experiment`.
+
+    Example:
+        >>> results = run_formats("quadratic", ["e8m4", "e8m5", "bf16"], steps=100, progress=False)
+        >>> [r.predicted_freeze_step() is not None for r in results.values()]
+        [True, True, True]
+    """
+    from .experiments import get_experiment, make_config   # the registry builds on this module
+    config = make_config(name, scale, format=get_format(formats[0]).name if formats else None, seed=seed,
+                         device=device, **overrides)
+    task = get_experiment(name).build(config)
+    return train_formats(name, task, config, formats, variants=variants, progress=progress)

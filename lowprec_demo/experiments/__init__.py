@@ -133,3 +133,8 @@ def sweep(name: str, man_bits: Sequence[int] = (7,), lrs: Sequence[Optional[floa
 
 # Registration: one module per experiment.
 from . import quadratic  # noqa: E402,F401
+from . import regression  # noqa: E402,F401
+from . import mlp  # noqa: E402,F401
+from . import mnist  # noqa: E402,F401
+from . import nanogpt  # noqa: E402,F401
+from . import gpt2  # noqa: E402,F401
