@@ -32,6 +32,16 @@ LABELS = {"reference": "fp32 reference", "nearest": "round to nearest", "stochas
           "kahan": "nearest + Kahan"}
 
 
+def _reference_name(result) -> str:
+    return {"float32": "fp32", "float64": "fp64"}.get(result.config.reference_dtype, result.config.reference_dtype)
+
+
+def _label(result, variant: str) -> str:
+    if variant == "reference":
+        return f"{_reference_name(result)} reference"
+    return LABELS.get(variant, variant)
+
+
 def _ax(ax):
     if ax is None:
         _, ax = plt.subplots(figsize=(7, 4))
@@ -48,11 +58,13 @@ def _smooth(values: Sequence[float], window: int) -> np.ndarray:
 
 
 def provenance_label(result) -> str:
-    """A short 'where this came from' line for a stored result: device, date, commit.
+    """A short 'where this came from' line for a stored result: device, date, commit (with
+    ``-dirty`` when the working tree had uncommitted changes).
 
-    Example: ``provenance_label(result)`` -> ``"NVIDIA H200, 2026-11-29, commit 1a2b3c4"``."""
+    Example: ``provenance_label(result)`` -> ``"NVIDIA H200, 2026-11-29, commit 1a2b3c4d5e"``."""
     p = getattr(result, "provenance", None) or {}
-    commit = (p.get("git_commit") or "unknown")[:7]
+    full = p.get("git_commit") or "unknown"
+    commit = full[:10] + ("-dirty" if full.endswith("-dirty") else "")
     date = (p.get("date") or "")[:10]
     return f"{p.get('device_name', p.get('device', '?'))}, {date}, commit {commit}"
 
@@ -66,7 +78,7 @@ def plot_losses(result, ax=None, variants: Optional[Iterable[str]] = None, log: 
     ax = _ax(ax)
     for v in variants or result.runs:
         run = result.runs[v]
-        ax.plot(_smooth(run.loss, smooth), color=COLORS.get(v), label=LABELS.get(v, v), lw=1.4)
+        ax.plot(_smooth(run.loss, smooth), color=COLORS.get(v), label=_label(result, v), lw=1.4)
     if mark_freeze:
         step = result.predicted_freeze_step()
         if step is not None:
@@ -90,7 +102,7 @@ def plot_frozen(result, ax=None, threshold: Optional[float] = None, show_sr: boo
     ax = _ax(ax)
     threshold = threshold or result.config.threshold
     pred = result.prediction
-    ax.plot(pred.overall, color=COLORS["predicted"], lw=2.2, label="predicted (from fp32 run)")
+    ax.plot(pred.overall, color=COLORS["predicted"], lw=2.2, label=f"predicted (from {_reference_name(result)} run)")
     if "nearest" in result.runs and result.runs["nearest"].frozen:
         ax.plot(result.runs["nearest"].frozen.overall, color=COLORS["nearest"], lw=1.2, ls="-",
                 label="observed, round to nearest")
@@ -173,7 +185,7 @@ def plot_freeze_sweep(rows: Sequence[dict], ax=None, color_by: str = "man_bits",
     if missing:
         ax.text(0.02, 0.96, f"{len(missing)} run(s) without a freeze step", transform=ax.transAxes,
                 fontsize=8, va="top")
-    ax.set_xlabel("predicted freeze step (from the fp32 run)")
+    ax.set_xlabel("predicted freeze step (from the high-precision run)")
     ax.set_ylabel("observed freeze step (round to nearest)")
     ax.set_title(title or "freeze step: predicted vs observed")
     ax.legend(frameon=False, fontsize=8)
