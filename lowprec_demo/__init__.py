@@ -8,7 +8,8 @@ grid, predicts from a high-precision run when each weight freezes, and plots it.
 Modules: ``formats`` (float formats), ``rounding`` (exact nearest and stochastic rounding, the
 freeze rule), ``optimizer`` (LowPrecisionOptimizer), ``prediction`` (freeze prediction and
 observation), ``training`` (the training loop), ``experiments`` (named experiments),
-``data`` and ``models``, ``plots``, ``widgets``, ``cli`` (``python -m lowprec_demo``).
+``data`` and ``models``, ``plots``, ``widgets``, ``demos``, ``results`` (stored full-scale
+runs), ``cli`` (``python -m lowprec_demo``) and ``bench`` (``python -m lowprec_demo.bench``).
 
 Example:
     >>> import lowprec_demo as lp
@@ -23,7 +24,8 @@ from .optimizer import LowPrecisionOptimizer, select_params
 from .prediction import FreezeObserver, FreezePredictor, FreezeRecord, freeze_order, freeze_step, steps_agree
 from .rounding import move_probability, quantize, ulp, update_ulp_ratio, would_freeze
 from .runtime import by_scale, pick_device, progress_bar, scale, seed_everything
-from .training import Task, TrainConfig, TrainResult, lr_factor, train_variants
+from .training import Task, TrainConfig, TrainResult, lr_factor, run_formats, train_formats, train_variants
+from .results import load_result, stored_results
 from .experiments import experiment_names, make_config, run_experiment, sweep
 
 __version__ = "0.1.0"
@@ -33,7 +35,8 @@ __all__ = [
     "quantize", "ulp", "would_freeze", "move_probability", "update_ulp_ratio",
     "LowPrecisionOptimizer", "select_params",
     "FreezePredictor", "FreezeObserver", "FreezeRecord", "freeze_step", "freeze_order", "steps_agree",
-    "Task", "TrainConfig", "TrainResult", "train_variants", "lr_factor",
+    "Task", "TrainConfig", "TrainResult", "train_variants", "train_formats", "run_formats", "lr_factor",
+    "load_result", "stored_results",
     "experiment_names", "make_config", "run_experiment", "sweep",
     "scale", "by_scale", "pick_device", "seed_everything", "progress_bar",
 ]

@@ -35,8 +35,9 @@ from typing import Callable, Iterable, Optional, Union
 
 import torch
 
+from . import _fused
 from .formats import FloatFormat, check_overflow_policy, get_format
-from .rounding import ROUNDING_MODES, GeneratorLike, quantize
+from .rounding import ROUNDING_MODES, GeneratorLike, _draw_seed, _native_dtype, quantize
 
 __all__ = ["LowPrecisionOptimizer", "select_params", "PARAM_SELECTIONS", "COMPENSATIONS"]
 
@@ -78,8 +79,9 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         optimizer: any ``torch.optim`` optimizer over float32 (or float64) parameters.
         fmt: the storage format, a name such as ``"bf16"`` or ``"e4m3"``, or a FloatFormat.
         rounding: ``"nearest"`` or ``"stochastic"``.
-        generator: SR randomness: a ``torch.Generator`` (reproducible) or an int seed. Give every
-            data-parallel replica the same seed so replicas stay bit-identical.
+        generator: SR randomness: a ``torch.Generator`` (reproducible) or an int seed, which seeds a
+            new CPU generator, so that every step draws fresh bits. Give every data-parallel
+            replica the same seed so replicas stay bit-identical.
         rand_bits: few-bit SR with this many random bits (None: full resolution).
         params: which parameters live in low precision: ``"all"``, ``"matrices"`` (2 or more
             dimensions), a predicate, or a collection of tensors. Others stay in full precision.
@@ -117,6 +119,10 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         self.optimizer = optimizer
         self.rounding = rounding
         self.state_rounding = state_rounding
+        if isinstance(generator, bool) or not (generator is None or isinstance(generator, (int, torch.Generator))):
+            raise TypeError(f"generator must be a torch.Generator, an int seed or None, got {type(generator).__name__}")
+        if isinstance(generator, int):  # one seed for the run, a fresh draw of bits for every step
+            generator = torch.Generator().manual_seed(generator & ((1 << 63) - 1))
         self.generator = generator
         self.rand_bits = rand_bits
         self.compensation = compensation
@@ -146,18 +152,78 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         return quantize(t, fmt, rounding, generator=self.generator, rand_bits=self.rand_bits,
                         overflow=self.overflow if fmt is self.fmt else None)
 
+    def _store(self, tensors: list, fmt: FloatFormat, rounding: str) -> None:
+        """Round ``tensors`` onto ``fmt``'s grid in place: what ``t.copy_(self._round(t, ...))``
+        does for each, in fewer passes over memory. Contiguous float32 tensors are rounded in
+        place by the fused kernels, the small ones packed into one flat tensor (one call, and
+        for SR one seed, per pack); anything else tensor by tensor."""
+        policy = self.overflow if fmt is self.fmt else fmt.overflow
+        for members, flat, views in self._pack_plan(tensors):
+            if flat is None:
+                if len(members) == 1 and members[0].dtype == torch.float32 and members[0].is_contiguous():
+                    self._store_flat(members[0], fmt, rounding, policy)
+                else:
+                    for t in members:
+                        t.copy_(self._round(t, fmt, rounding))
+                continue
+            torch.cat([t.view(-1) for t in members], out=flat)
+            self._store_flat(flat, fmt, rounding, policy)
+            if hasattr(torch, "_foreach_copy_"):
+                torch._foreach_copy_(members, views)
+            else:
+                for t, v in zip(members, views):
+                    t.copy_(v)
+
+    def _pack_plan(self, tensors: list) -> list:
+        """``(members, flat, views)`` per pack of :func:`lowprec_demo._fused.pack`: ``flat`` a
+        buffer for a pack of several small float32 tensors (None for one tensor, or tensors
+        the fused path does not take), ``views`` its pieces shaped like the members. Kept from
+        step to step (the cache holds the tensors, so their ids stay theirs)."""
+        key = tuple(id(t) for t in tensors)
+        cache = self.__dict__.setdefault("_pack_cache", {})
+        plan = cache.get(key)
+        if plan is not None:
+            return plan
+        fast = [t for t in tensors
+                if t.dtype == torch.float32 and t.is_contiguous() and t.numel() <= _fused.MAX_NUMEL]
+        chosen = {id(t) for t in fast}
+        plan = [([t], None, None) for t in tensors if id(t) not in chosen]
+        for group in _fused.pack(fast):
+            members = [fast[i] for i in group]
+            if len(members) == 1:
+                plan.append((members, None, None))
+                continue
+            sizes = [t.numel() for t in members]
+            flat = torch.empty(sum(sizes), dtype=torch.float32, device=members[0].device)
+            plan.append((members, flat, [v.view(t.shape) for v, t in zip(flat.split(sizes), members)]))
+        if len(cache) >= 4:
+            cache.clear()
+        cache[key] = plan
+        return plan
+
+    def _store_flat(self, t: torch.Tensor, fmt: FloatFormat, rounding: str, policy: str) -> None:
+        if rounding == "stochastic":
+            _fused.stochastic_(t, fmt, policy, self.rand_bits, _draw_seed(self.generator))
+            return
+        native = _native_dtype(t, fmt, policy)
+        if native == t.dtype:  # the grid holds every float32 value: nothing to do
+            return
+        if native is not None:  # eagerly, torch's own cast is the fastest exact rounding
+            _fused.nearest_(t, fmt, policy, eager=lambda: t.copy_(t.to(native)))
+        else:
+            _fused.nearest_(t, fmt, policy, eager=lambda: t.copy_(quantize(t, fmt, overflow=policy)))
+
     @torch.no_grad()
     def round_params(self) -> None:
         """Round the selected parameters onto the grid (nearest), in place."""
-        for p in self.lowprec_params:
-            p.copy_(quantize(p, self.fmt, overflow=self.overflow))
+        self._store(self.lowprec_params, self.fmt, "nearest")
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None):
         """One step of the inner optimizer, then store the selected parameters in low precision."""
         loss = self.optimizer.step(closure)
-        for p in self.lowprec_params:
-            if self.compensation == "kahan":
+        if self.compensation == "kahan":
+            for p in self.lowprec_params:
                 buf = self._compensation_buffers.get(p)
                 if buf is None:
                     buf = self._compensation_buffers[p] = torch.zeros_like(p)
@@ -165,12 +231,15 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
                 stored = quantize(target, self.fmt, overflow=self.overflow)
                 buf.copy_(target - stored)           # exact: target and stored are within an ulp
                 p.copy_(stored)
-            else:
-                p.copy_(self._round(p, self.fmt, self.rounding))
-            if self.state_format is not None:
+        else:
+            self._store(self.lowprec_params, self.fmt, self.rounding)
+        if self.state_format is not None:
+            states = []
+            for p in self.lowprec_params:
                 for value in self.optimizer.state.get(p, {}).values():
                     if torch.is_tensor(value) and value.is_floating_point() and value.shape == p.shape:
-                        value.copy_(self._round(value, self.state_format, self.state_rounding))
+                        states.append(value)
+            self._store(states, self.state_format, self.state_rounding)
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -184,8 +253,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         new = select_params(self.optimizer.param_groups[-1]["params"], self._selection)
         self.lowprec_params.extend(new)
         with torch.no_grad():
-            for p in new:
-                p.copy_(quantize(p, self.fmt, overflow=self.overflow))
+            self._store(new, self.fmt, "nearest")
 
     # ------------------------------------------------------------------------------------------
     def _param_index(self) -> dict:

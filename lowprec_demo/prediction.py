@@ -35,6 +35,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Union
 
 import torch
 
+from . import _fused
 from .formats import FloatFormat, get_format
 from .rounding import quantize, update_ulp_ratio, would_freeze
 
@@ -94,8 +95,9 @@ class FreezeRecord:
 
     ``overall[t]`` is the element-weighted mean over all tensors at step t, ``by_tensor[name][t]``
     the fraction of one tensor, ``sizes[name]`` its element count. Predictions also carry
-    ``move_fraction`` (expected fraction of elements SR moves) and ``ratio_histogram`` (counts of
-    ``log2(|d|/gap)`` per bin of :data:`RATIO_BINS`, summed over the run).
+    ``move_fraction`` (expected fraction of elements SR moves, with ``rand_bits`` random bits when
+    set) and ``ratio_histogram`` (counts of ``log2(|d|/gap)`` per bin of :data:`RATIO_BINS`,
+    summed over the run).
     """
 
     format: str
@@ -148,26 +150,98 @@ def freeze_order(record: FreezeRecord, threshold: float) -> List[tuple]:
     return sorted(steps.items(), key=lambda kv: (kv[1] is None, kv[1] if kv[1] is not None else 0, kv[0]))
 
 
+class _Pack:
+    """Tracked tensors that share one flat snapshot buffer: a large tensor alone, or a run of
+    small ones (see :func:`lowprec_demo._fused.pack`), so that a step costs a few operations
+    per pack rather than per tensor."""
+
+    def __init__(self, names: List[str], tensors: List[torch.Tensor]) -> None:
+        self.names = names
+        self.shapes = [t.shape for t in tensors]
+        self.sizes = [t.numel() for t in tensors]
+        self.buffer = torch.empty(sum(self.sizes), dtype=tensors[0].dtype, device=tensors[0].device)
+        self.views = [v.view(shape) for v, shape in zip(self.buffer.split(self.sizes), self.shapes)]
+        # where each tensor's elements end in the buffer, for per-tensor counts from a cumsum;
+        # the tensor of each element, shifted into the high byte, for one bincount of every code
+        self._ends = torch.tensor(self.sizes, device=self.buffer.device).cumsum(0) - 1
+        self.tags = None if len(names) == 1 else torch.repeat_interleave(
+            torch.arange(len(names), dtype=torch.int32, device=self.buffer.device) << 8,
+            torch.tensor(self.sizes, device=self.buffer.device))
+
+    def counts(self, flags: torch.Tensor) -> torch.Tensor:
+        """How many elements of each tensor have ``flags`` (flat, 0 or 1) set, as int64."""
+        if len(self.names) == 1:
+            return flags.sum(dtype=torch.int64).reshape(1)
+        total = flags.cumsum(0, dtype=torch.int32)[self._ends].to(torch.int64)
+        return torch.cat([total[:1], total[1:] - total[:-1]])
+
+    def snapshot(self, tensors: List[torch.Tensor]) -> None:
+        if len(tensors) == 1:
+            self.views[0].copy_(tensors[0])
+        else:
+            torch.cat([t.reshape(-1) for t in tensors], out=self.buffer)
+
+    def flat(self, tensors: List[torch.Tensor]) -> torch.Tensor:
+        """The tensors' current values, flat, in the buffer's layout."""
+        if len(tensors) == 1:
+            return tensors[0].reshape(-1)
+        return torch.cat([t.reshape(-1) for t in tensors])
+
+
 class _StepTracker:
     """Snapshot tracked tensors before a step, compare after it."""
 
     def __init__(self, tensors: TensorSource) -> None:
         self._source = tensors
         self._before: Dict[str, torch.Tensor] = {}
+        self._layout: Optional[tuple] = None
+        self._packs: List[_Pack] = []
 
     def _current(self) -> Dict[str, torch.Tensor]:
         return {k: v for k, v in named_tensors(self._source).items() if torch.is_tensor(v)}
 
+    @staticmethod
+    def _layout_of(tensors: Dict[str, torch.Tensor]) -> tuple:
+        return tuple((k, tuple(v.shape), v.dtype, v.device) for k, v in tensors.items())
+
     @torch.no_grad()
     def before_step(self) -> None:
-        """Copy the tracked tensors (call just before ``optimizer.step()``)."""
-        self._before = {k: v.detach().clone() for k, v in self._current().items()}
+        """Copy the tracked tensors (call just before ``optimizer.step()``). The copies live in
+        buffers kept from step to step: one copy of the tracked tensors."""
+        current = {k: v.detach() for k, v in self._current().items()}
+        layout = self._layout_of(current)
+        if layout != self._layout:
+            names, tensors = list(current), list(current.values())
+            self._packs = [_Pack([names[i] for i in group], [tensors[i] for i in group])
+                           for group in _fused.pack(tensors)]
+            self._layout = layout
+        values = list(current.values())
+        start = 0
+        for pack in self._packs:
+            pack.snapshot(values[start:start + len(pack.names)])
+            start += len(pack.names)
+        self._before = {name: view for pack in self._packs for name, view in zip(pack.names, pack.views)}
 
     def _pairs(self):
         now = self._current()
         for name, old in self._before.items():
             if name in now:
                 yield name, old, now[name].detach()
+
+    def _packed_now(self):
+        """The packs with the tensors' current values, when they still have the layout of the
+        snapshot (else None: the tensor by tensor path handles appearing and vanishing tensors)."""
+        if not self._before:
+            return None
+        now = {k: v.detach() for k, v in self._current().items()}
+        if self._layout_of(now) != self._layout:
+            return None
+        values = list(now.values())
+        out, start = [], 0
+        for pack in self._packs:
+            out.append((pack, values[start:start + len(pack.names)]))
+            start += len(pack.names)
+        return out
 
 
 class FreezeObserver(_StepTracker):
@@ -188,13 +262,18 @@ class FreezeObserver(_StepTracker):
     @torch.no_grad()
     def after_step(self) -> None:
         """Count unchanged elements per tensor (call just after ``optimizer.step()``)."""
+        packed = self._packed_now()
+        if packed is None:
+            pairs = [(name, int((new == old).sum().item()), new.numel()) for name, old, new in self._pairs()]
+        else:  # one comparison per pack, one transfer of all the counts
+            counts = torch.cat([_fused.equal_count(pack.buffer, pack.flat(now)).reshape(1) if len(now) == 1
+                                else pack.counts(torch.eq(pack.flat(now), pack.buffer))
+                                for pack, now in packed]).cpu()
+            names = [(name, n) for pack, _ in packed for name, n in zip(pack.names, pack.sizes)]
+            pairs = [(name, frozen, n) for (name, n), frozen in zip(names, counts.tolist())]
         total_frozen, total = 0, 0
-        seen = set()
-        for name, old, new in self._pairs():
-            frozen = int((new == old).sum().item())
-            n = new.numel()
+        for name, frozen, n in pairs:
             self._append(name, frozen / n, n)
-            seen.add(name)
             total_frozen += frozen
             total += n
         self.record.overall.append(total_frozen / total if total else math.nan)
@@ -245,12 +324,70 @@ class FreezePredictor(_StepTracker):
     @torch.no_grad()
     def after_step(self) -> None:
         """Predict freezing for the update just applied (call just after ``optimizer.step()``)."""
+        packed = self._packed_now()
+        fused = packed is not None and all(
+            pack.buffer.dtype == torch.float32 for pack, _ in packed) and all(
+            _fused.fits(pack.buffer, fmt) for pack, _ in packed for fmt in self.formats)
+        if fused:
+            self._after_step_packed(packed)
+        else:
+            self._after_step_by_tensor()
+        self._before = {}
+
+    def _add(self, rec: FreezeRecord, per_tensor: List[tuple], moved_total: float, fewbit_total: float,
+             hist: List[int]) -> None:
+        frozen_total, count = 0.0, 0
+        for name, f, n in per_tensor:
+            if name not in rec.by_tensor:
+                rec.by_tensor[name] = [math.nan] * len(rec.overall)
+                rec.sizes[name] = n
+            rec.by_tensor[name].append(f / n)
+            frozen_total += f
+            count += n
+        rec.overall.append(frozen_total / count if count else math.nan)
+        rec.move_fraction.append(moved_total / count if count else math.nan)
+        if self.rand_bits is not None:
+            rec.fewbit_frozen.append(fewbit_total / count if count else math.nan)
+        rec.ratio_histogram = [a + b for a, b in zip(rec.ratio_histogram, hist)]
+
+    def _after_step_packed(self, packed) -> None:
+        """All formats from the fused kernel: one pass over each pack per format, which returns
+        one byte per element (frozen, few-bit frozen, ratio bin) and the sum of the move
+        probabilities; the counts come from bincounts, and everything reaches Python in one
+        transfer."""
+        current = [(pack, pack.flat(now)) for pack, now in packed]
+        names = [(name, n) for pack, _ in packed for name, n in zip(pack.names, pack.sizes)]
+        bins = len(RATIO_BINS) + 1
+        rows = []
+        for fmt in self.formats:
+            per_tensor, joint, moved = [], None, None
+            for pack, new in current:
+                # one bincount: frozen, few-bit and bin jointly, per tensor of the pack
+                code, moved_sum = _fused.freeze_code(pack.buffer, new, fmt, self.rand_bits, pack.tags)
+                counts = torch.bincount(code, minlength=256 * len(pack.names)).view(-1, 256)
+                per_tensor.append(counts.view(-1, 128, 2)[:, :, 1].sum(1))
+                counts = counts.sum(0)
+                joint = counts if joint is None else joint + counts
+                moved = moved_sum if moved is None else moved + moved_sum
+            by_code = joint.view(64, 4).to(torch.float64)
+            summary = torch.stack([moved.to(torch.float64).cpu(), by_code[:, 2:].sum().cpu()])
+            rows.append(torch.cat([torch.cat(per_tensor).cpu().to(torch.float64), summary,
+                                   by_code.sum(1)[:bins].cpu()]))
+        values = torch.stack(rows).tolist()
+        k = len(names)
+        for fmt, row in zip(self.formats, values):
+            per_tensor = [(name, int(f), n) for (name, n), f in zip(names, row[:k])]
+            self._add(self.records[fmt.name], per_tensor, row[k], row[k + 1], [int(c) for c in row[k + 2:]])
+
+    def _after_step_by_tensor(self) -> None:
+        """Tensor by tensor with the public freeze functions (float64 or narrow tensors,
+        formats float32 cannot hold, tensors that appeared or vanished since the snapshot)."""
         pairs = list(self._pairs())
         edges = torch.tensor(RATIO_BINS, dtype=torch.float32)
         for fmt in self.formats:
             rec = self.records[fmt.name]
-            frozen_total = moved_total = fewbit_total = 0.0
-            count = 0
+            moved_total = fewbit_total = 0.0
+            per_tensor = []
             hist = torch.zeros(len(RATIO_BINS) + 1, dtype=torch.int64)
             for name, old, new in pairs:
                 stored = quantize(old, fmt)
@@ -258,23 +395,12 @@ class FreezePredictor(_StepTracker):
                 frozen = would_freeze(stored, update, fmt)
                 ratio = update_ulp_ratio(stored, update, fmt)
                 moved = ratio.clamp(max=1.0)
-                n = old.numel()
-                f = frozen.sum().item()
-                frozen_total += f
+                if self.rand_bits is not None:  # the position in the gap resolved to k bits
+                    moved = torch.round(moved * 2.0**self.rand_bits) / 2.0**self.rand_bits
+                    fewbit_total += (moved == 0).sum().item()
+                per_tensor.append((name, frozen.sum().item(), old.numel()))
                 moved_total += moved.sum().item()
-                if self.rand_bits is not None:
-                    fewbit_total += (torch.round(moved * 2.0**self.rand_bits) == 0).sum().item()
-                count += n
-                if name not in rec.by_tensor:
-                    rec.by_tensor[name] = [math.nan] * len(rec.overall)
-                    rec.sizes[name] = n
-                rec.by_tensor[name].append(f / n)
                 log_ratio = torch.log2(ratio[ratio > 0].float().cpu())
                 hist += torch.bucketize(log_ratio, edges).bincount(minlength=len(RATIO_BINS) + 1)
                 hist[0] += int((ratio == 0).sum().item())
-            rec.overall.append(frozen_total / count if count else math.nan)
-            rec.move_fraction.append(moved_total / count if count else math.nan)
-            if self.rand_bits is not None:
-                rec.fewbit_frozen.append(fewbit_total / count if count else math.nan)
-            rec.ratio_histogram = [a + b for a, b in zip(rec.ratio_histogram, hist.tolist())]
-        self._before = {}
+            self._add(rec, per_tensor, moved_total, fewbit_total, hist.tolist())

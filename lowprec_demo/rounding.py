@@ -22,10 +22,19 @@ Stochastic rounding (SR)
     overflow policy. The random bits come from a counter-based hash of a seed and the element's
     index, so they are the same on CPU and GPU and on every data-parallel rank given the same
     seed; the seed is drawn from the caller's ``torch.Generator`` (or given as an int).
-    Probabilities are resolved to 2^-24 of a gap for float32 input and 2^-53 for float64 input,
-    which is exact for inputs in the format's normal range. ``rand_bits=k`` models hardware SR
-    with k random bits: the position inside the gap is first rounded to nearest at k bits, so an
-    update smaller than 2^-(k+1) of a gap never moves the value: few-bit SR freezes again.
+    Probabilities are resolved to 2^-32 of a gap for float32 input (exact wherever the gap is
+    at most 2^32 float32 spacings of the input: the whole normal range of every format, and all
+    but the smallest inputs below it) and to 2^-53 for float64 input. ``rand_bits=k`` models
+    hardware SR with k random bits: the position inside the gap is first rounded to nearest at
+    k bits, so an update smaller than 2^-(k+1) of a gap never moves the value: few-bit SR
+    freezes again.
+
+Speed
+    float32 tensors are rounded by the fused kernels of :mod:`lowprec_demo._fused`: integer
+    arithmetic on the bit patterns, compiled by ``torch.compile`` into one pass over memory once
+    the work is large enough to be worth compiling, and run eagerly otherwise (the same bits
+    either way). Where torch has the format's dtype and its cast is the exact rounding with the
+    same overflow rule, round to nearest is that cast.
 
 Example:
     >>> import torch
@@ -42,6 +51,7 @@ from typing import Optional, Union
 
 import torch
 
+from . import _fused
 from .formats import FloatFormat, check_overflow_policy, get_format
 
 __all__ = ["quantize", "ulp", "would_freeze", "move_probability", "update_ulp_ratio",
@@ -151,8 +161,7 @@ def random_bits(shape, seed: int, stream: int = 0, device=None) -> torch.Tensor:
     """
     numel = math.prod(shape)
     h = torch.arange(numel, dtype=torch.int64, device=device)
-    s1 = seed & _M32
-    s2 = ((seed >> 32) ^ (0x9E3779B9 * (stream + 1))) & _M32
+    s1, s2 = _fused._seed_words(seed, stream)  # (the fused SR kernel mixes the same words)
     h ^= s1
     _mix32(h)
     h ^= s2
@@ -253,23 +262,9 @@ def _nearest_magnitude(a: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------
 # stochastic rounding on magnitudes
 # ------------------------------------------------------------------------------------------------
-def _stochastic_bits(a: torch.Tensor, fmt: FloatFormat, seed: int, rand_bits: Optional[int]) -> torch.Tensor:
-    """SR for float32 input and E = 8 formats on the bit pattern: add a random integer below the
-    dropped-bit unit and truncate; the carry happens with probability (dropped bits)/2^drop."""
-    drop = 23 - fmt.man_bits
-    k = drop if rand_bits is None else min(rand_bits, drop)
-    if k < drop:  # resolve the position inside the gap to k bits first (RNE), as hardware does
-        _nearest_bits(a, drop - k)
-    u = a.view(torch.int32)
-    nan = u > 0x7F800000
-    r = _uniform_ints(a.shape, k, seed, a.device).to(torch.int32)
-    u += r << (drop - k)
-    u &= ~((1 << drop) - 1)
-    return a.masked_fill_(nan, math.nan)
-
-
 def _stochastic_general(a: torch.Tensor, fmt: FloatFormat, seed: int, rand_bits: Optional[int]) -> torch.Tensor:
-    """SR by an error-free transformation: n = RNE(a) is the nearest neighbour and err = a - n is
+    """SR of float64 input (float32 input goes through :func:`lowprec_demo._fused.sr_fp32`) by
+    an error-free transformation: n = RNE(a) is the nearest neighbour and err = a - n is
     exact (Sterbenz); the other neighbour is one gap away on err's side, taken with probability
     |err| / gap."""
     spec = _SPECS[a.dtype]
@@ -363,16 +358,26 @@ def quantize(x: torch.Tensor, fmt: Union[str, FloatFormat], rounding: str = "nea
 
     if rounding == "nearest":
         native = _native_dtype(x, fmt, policy)
-        if native is not None:  # (a new tensor also when the cast is the identity)
-            return x.to(native).to(x.dtype) if native != x.dtype else x.clone()
-        r = _nearest_magnitude(x.abs(), fmt)
-    else:
-        seed = _draw_seed(generator)
-        if x.dtype == torch.float32 and fmt.exp_bits == 8:
-            r = x.abs() if fmt.man_bits == 23 else _stochastic_bits(x.abs(), fmt, seed, rand_bits)
-        else:
-            r = _stochastic_general(x.abs(), fmt, seed, rand_bits)
+        if native == x.dtype:  # the grid holds every value of x (a new tensor all the same)
+            return x.clone()
+        if native is not None and (native in (torch.bfloat16, torch.float16) or x.dtype != torch.float32):
+            return x.to(native).to(x.dtype)
+        if x.dtype == torch.float32:
+            # compiled when worth it (the CPU's float8 casts are slow), else torch's cast or the
+            # eager code below
+            eager = (lambda: x.to(native).float()) if native is not None else (lambda: _generic_nearest(x, fmt, policy))
+            return _fused.nearest(x, fmt, policy, eager=eager)
+        return _generic_nearest(x, fmt, policy)
+    seed = _draw_seed(generator)
+    if x.dtype == torch.float32 and x.numel() <= _fused.MAX_NUMEL:
+        return _fused.stochastic(x, fmt, policy, rand_bits, seed)
+    r = _stochastic_general(x.abs(), fmt, seed, rand_bits)
     return _apply_overflow(r, fmt, policy).copysign_(x)
+
+
+def _generic_nearest(x: torch.Tensor, fmt: FloatFormat, policy: str) -> torch.Tensor:
+    """The package's own round to nearest in eager PyTorch, for any float32 or float64 tensor."""
+    return _apply_overflow(_nearest_magnitude(x.abs(), fmt), fmt, policy).copysign_(x)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -85,6 +85,31 @@ def test_int_seed_generator_is_reproducible():
     assert torch.equal(a, b)
 
 
+def test_int_seed_in_the_optimizer_draws_fresh_bits_every_step():
+    """An int seed seeds one generator for the run: step after step the random bits differ (the
+    same bits every step would correlate the roundings), and the run is reproducible."""
+    def run(seed, steps):
+        w = torch.nn.Parameter(torch.ones(4096))
+        opt = LowPrecisionOptimizer(torch.optim.SGD([w], lr=1e-3), "bf16", rounding="stochastic", generator=seed)
+        moved = []
+        for _ in range(steps):
+            before = w.detach().clone()
+            w.grad = torch.ones_like(w)
+            opt.step()
+            moved.append(w.detach() != before)
+        return w.detach().clone(), moved
+
+    w_a, moved = run(5, 2)
+    w_b, _ = run(5, 2)
+    assert torch.equal(w_a, w_b)
+    # with P(move) about 0.26 per step, the same bits would move the very same elements twice
+    assert not torch.equal(moved[0], moved[1])
+    assert abs(moved[1].float().mean().item() - 1e-3 / 2**-8) < 0.03
+    with pytest.raises(TypeError, match="torch.Generator, an int seed or None"):
+        LowPrecisionOptimizer(torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=1e-3), "bf16",
+                              rounding="stochastic", generator="7")
+
+
 def test_matrices_only_selection():
     model = small_model()
     biases_before = [m.bias.detach().clone() for m in model if isinstance(m, torch.nn.Linear)]

@@ -55,8 +55,18 @@ def test_sr_move_fraction_is_mean_probability():
         w[500:] -= 2**-10      # 1/4 of the gap below 1.0: p = 0.25; with 2 bits stays 0.25
     predictor.after_step()
     rec = predictor.record()
-    assert rec.move_fraction == [pytest.approx((0.125 + 0.25) / 2)]
+    # the move probabilities of the SR that runs: 2 random bits resolve 0.125 to 0
+    assert rec.move_fraction == [pytest.approx((0.0 + 0.25) / 2)]
     assert rec.fewbit_frozen == [pytest.approx(0.5)]
+    full = FreezePredictor({"w": w}, formats=["bf16"])
+    with torch.no_grad():
+        w.fill_(1.0)
+    full.before_step()
+    with torch.no_grad():
+        w[:500] += 2**-10
+        w[500:] -= 2**-10
+    full.after_step()
+    assert full.record().move_fraction == [pytest.approx((0.125 + 0.25) / 2)]
     assert rec.overall == [1.0]
     # histogram: log2 ratios -3 and -2
     assert sum(rec.ratio_histogram) == 1000

@@ -1,0 +1,569 @@
+"""Fused kernels: rounding and the freeze rule in one pass over memory.
+
+Eager PyTorch makes one pass over memory per operation, so exact rounding written as ten tensor
+operations costs ten passes where a native cast costs two. Here each computation is one plain
+PyTorch function of integer operations on float32 bit patterns, handed to ``torch.compile``
+(inductor: C++ loops on the CPU, Triton on GPUs) so that it runs as one loop. Stochastic
+rounding and the freeze statistics fall back to running the same function eagerly, so the two
+paths compute the same bits by construction; round to nearest falls back to the package's
+generic code in :mod:`lowprec_demo.rounding` (or torch's own float8 cast). ``tests/test_bench.py``
+checks the compiled kernels against the eager code on the exhaustive point sets of the exactness
+suite.
+
+Integer arithmetic on bit patterns leaves nothing to the compiler's floating-point flags (inductor
+compiles C++ with ``-fno-signed-zeros``; Triton divides approximately unless told otherwise):
+rounding uses only integer operations, and the freeze statistics only exact floating-point ones
+(subtraction, comparisons, multiplication by powers of two).
+
+Round to nearest (``rne_fp32``)
+    Write a non-negative float32 ``a`` as ``S * 2**(E' - 150)`` with ``E' = max(exponent field, 1)``
+    and the integer significand ``S = bits - ((E' - 1) << 23)`` (the subnormals fit the same
+    formula). The target grid's spacing is ``2**d`` units of ``S`` with
+    ``d = 23 - m + max(e_min + 127 - E', 0)``. Rounding ``S`` to a multiple of ``2**d`` by integer
+    arithmetic and adding back ``(E' - 1) << 23`` gives the bit pattern of the result (a carry runs
+    into the exponent, as it should); for ``d >= 25`` the result is 0.
+
+Stochastic rounding (``sr_fp32``)
+    With the same ``S`` and ``d``, ``frac = S mod 2**d`` is the position inside the gap in units of
+    ``2**-d`` gaps. With k random bits (k = 32 is full resolution) and ``j = min(d, k)``, the
+    position is resolved to j bits (``round_half_even(frac / 2**(d - j))``) and the value moves
+    away from zero when the top j bits of the 32-bit hash of (seed, element index) are below it:
+    probability ``round_half_even(frac * 2**k / 2**d) / 2**k``, which is the exact ``frac / 2**d``
+    whenever ``d <= k``. The hash is :func:`lowprec_demo.rounding.random_bits`, computed on int32
+    lanes. (Tensors of 2**31 elements or more take the eager path of ``rounding``.)
+
+Freeze statistics (``freeze_code_fp32``)
+    For a reference update ``new - old``: the freeze rule of
+    :func:`lowprec_demo.rounding.would_freeze`, the SR move probability ``min(1, |d|/gap)``, the
+    few-bit freeze, and the bin of ``log2(|d|/gap)``, packed into one byte per element, and the sum
+    of the move probabilities.
+
+When is the compiled version used?
+    ``LOWPREC_FUSED`` (environment) or :func:`set_mode`: ``"off"`` never, ``"on"`` for every
+    tensor of 2 or more elements, ``"auto"`` (default) once the elements a kernel would have
+    processed eagerly add up to 2**25 (a single call that large compiles at once). Compiling
+    costs seconds once per process (half a minute the first time on a machine, a few seconds
+    once inductor's disk cache is warm), so it is paid only when the eager work it saves would
+    have cost about as much: a chapter that rounds a few small tensors never waits for it,
+    a GPT-2 step compiles at once. If compilation fails (no C++ compiler, an unsupported
+    platform), the eager path is used from then on and :func:`status` says why.
+
+Example:
+    >>> import torch
+    >>> from lowprec_demo.formats import get_format
+    >>> p = nearest_params(get_format("e4m3"), "saturate")
+    >>> rne_fp32(torch.tensor([1.06, 500.0]), torch.tensor(p, dtype=torch.int32)).tolist()
+    [1.0, 448.0]
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import threading
+import time
+from typing import Dict, Optional
+
+import torch
+
+from .formats import FloatFormat
+
+__all__ = ["status", "set_mode", "get_mode", "compile_all", "nearest_params", "stochastic_params",
+           "freeze_params", "rne_fp32", "sr_fp32", "freeze_code_fp32", "freeze_code_tagged_fp32",
+           "equal_count_fp32", "nearest", "nearest_", "stochastic", "stochastic_", "freeze_code",
+           "equal_count", "pack", "fits", "MODES", "CODE_BINS"]
+
+MODES = ("auto", "on", "off")
+EAGER_BUDGET = 1 << 25         # "auto": compile once this many elements went through eagerly
+MIN_NUMEL = 2                  # torch.compile specialises sizes 0 and 1: keep those eager
+MAX_NUMEL = (1 << 31) - 1      # int32 element indices: larger tensors take the eager float64-style path
+
+_INT32_MIN = -(1 << 31)
+_INF_BITS = 0x7F800000
+_NAN_BITS = 0x7FC00000
+_HALF_BITS = 0x3F000000
+_M32 = 0xFFFFFFFF
+CODE_BINS = 34                 # log2(ratio) bins of lowprec_demo.prediction.RATIO_BINS, plus one
+_NO_BIN = 63                   # the bin field of a NaN ratio: counted nowhere
+
+
+def _f32_bits(value: float) -> int:
+    return struct.unpack("<i", struct.pack("<f", value))[0]
+
+
+# ------------------------------------------------------------------------------------------------
+# parameters: everything about the format, policy and seed as integers (a tensor, so that one
+# compiled kernel serves every format and seed without recompiling)
+# ------------------------------------------------------------------------------------------------
+def _overflow_bits(fmt: FloatFormat, policy: str) -> int:
+    return {"inf": _INF_BITS, "saturate": _f32_bits(fmt.max), "nan": _NAN_BITS}[policy]
+
+
+def nearest_params(fmt: FloatFormat, policy: str) -> list:
+    """``[m, e_min + 127, bits of max, bits of the overflow value]`` for :func:`rne_fp32`."""
+    return [fmt.man_bits, fmt.e_min + 127, _f32_bits(fmt.max), _overflow_bits(fmt, policy)]
+
+
+def stochastic_params(fmt: FloatFormat, policy: str, rand_bits: Optional[int], seed: int) -> list:
+    """``[m, e_min + 127, k, bits of max, overflow bits, bits of the smallest subnormal, the two
+    seed words as int32, index of the first element]`` for :func:`sr_fp32`; k = 32 for full
+    resolution."""
+    k = 32 if rand_bits is None else rand_bits
+    s1, s2 = (w - (1 << 32) if w >= 1 << 31 else w for w in _seed_words(seed, 0))  # as int32
+    return [fmt.man_bits, fmt.e_min + 127, k, _f32_bits(fmt.max), _overflow_bits(fmt, policy),
+            _f32_bits(fmt.smallest_subnormal), s1, s2, 0]
+
+
+def freeze_params(fmt: FloatFormat, rand_bits: Optional[int]) -> list:
+    """``[m, e_min + 127, bits of max, overflow bits, bits of max if the format saturates else
+    -1, bits of 2**-(k+1), k]`` for :func:`freeze_code_fp32` (the format's own overflow policy;
+    k = 0 when there is no few-bit prediction)."""
+    k = 0 if rand_bits is None else rand_bits
+    saturating_max = _f32_bits(fmt.max) if fmt.overflow == "saturate" else -1
+    return [fmt.man_bits, fmt.e_min + 127, _f32_bits(fmt.max), _overflow_bits(fmt, fmt.overflow),
+            saturating_max, (127 - k - 1) << 23, k]
+
+
+def _seed_words(seed: int, stream: int) -> tuple:
+    """The two 32-bit words the hash of :func:`lowprec_demo.rounding.random_bits` mixes in."""
+    return seed & _M32, ((seed >> 32) ^ (0x9E3779B9 * (stream + 1))) & _M32
+
+
+# ------------------------------------------------------------------------------------------------
+# the kernels: plain PyTorch functions, run compiled or eagerly
+# ------------------------------------------------------------------------------------------------
+def _mix32(h: torch.Tensor) -> torch.Tensor:
+    """The finaliser of :func:`lowprec_demo.rounding.random_bits` on int32 lanes holding 32-bit
+    patterns: products wrap modulo 2**32 and ``>> 16`` is made logical by a mask, so the bits
+    are those of the int64 version (16 lanes per AVX-512 vector instead of 8)."""
+    h = h ^ ((h >> 16) & 0xFFFF)
+    h = h * 0x45D9F3B
+    h = h ^ ((h >> 16) & 0xFFFF)
+    h = h * 0x45D9F3B
+    return h ^ ((h >> 16) & 0xFFFF)
+
+
+def _top_bits(r: torch.Tensor, j) -> torch.Tensor:
+    """The top ``j`` bits (0 <= j <= 31) of 32-bit patterns ``r``, as non-negative int32."""
+    return (r >> torch.clamp(32 - j, min=0, max=31)) & (0x7FFFFFFF >> torch.clamp(31 - j, min=0, max=31))
+
+
+def _decompose(u: torch.Tensor, man_bits, emin_b):
+    """For non-negative float32 bit patterns ``u``: ``(E' - 1) << 23``, the integer significand
+    ``S`` and the number ``d`` of its low bits below the target grid's spacing."""
+    e = torch.clamp(u >> 23, min=1)
+    top = (e - 1) << 23
+    d = (23 - man_bits) + torch.clamp(emin_b - e, min=0)
+    return top, u - top, d
+
+
+def rne_fp32(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Round-to-nearest-even of a float32 tensor onto the grid that ``p`` (int32,
+    :func:`nearest_params`) describes, with its overflow policy; the sign (of zero too) is kept
+    and NaN stays NaN."""
+    man_bits, emin_b, max_bits, over_bits = p[0], p[1], p[2], p[3]
+    bits = x.view(torch.int32)
+    sign = bits & _INT32_MIN
+    u = bits & 0x7FFFFFFF
+    nan = u > _INF_BITS
+    u = torch.where(nan, 0, u)
+    top, s, d = _decompose(u, man_bits, emin_b)
+    d = torch.clamp(d, max=25)             # d >= 25 rounds every significand (< 2**24) to 0
+    half = (1 << d) >> 1
+    odd = (s >> d) & torch.clamp(half, max=1)   # the last kept bit, for ties (none when d = 0)
+    q = ((s + (half - 1 + odd).clamp(min=0)) >> d) << d
+    out = torch.where(q == 0, 0, top + q)
+    out = torch.where(out > max_bits, over_bits, out)
+    out = torch.where(nan, _NAN_BITS, out)
+    return (out | sign).view(torch.float32)
+
+
+def sr_fp32(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Stochastic rounding of a flat float32 tensor (fewer than 2**31 elements) onto the grid
+    that ``p`` (int32, :func:`stochastic_params`) describes; element i draws the hash of
+    (seed, i). Everything is int32: the position is compared with the random bits as
+    ``top_j(r) < X`` with ``j = min(d, k)`` bits, X the position at j bits."""
+    man_bits, emin_b, k, max_bits, over_bits, tiny_bits, s1, s2, first = (p[i] for i in range(9))
+    bits = x.view(torch.int32)
+    sign = bits & _INT32_MIN
+    u = bits & 0x7FFFFFFF
+    nan = u > _INF_BITS
+    u = torch.where(nan, 0, u)
+    top, s, d = _decompose(u, man_bits, emin_b)
+    frac = s & ((1 << torch.clamp(d, max=25)) - 1)
+    # d > k: the position rounded half to even to k bits; d <= k: exact, compared at d bits
+    sh = torch.clamp(d - k, min=0, max=26)
+    half = (1 << sh) >> 1
+    odd = (frac >> sh) & torch.clamp(half, max=1)
+    position = torch.where(d > k, (frac + (half - 1 + odd).clamp(min=0)) >> sh, frac)
+    j = torch.clamp(d, max=k)
+    index = torch.arange(x.numel(), dtype=torch.int32, device=x.device) + first
+    r = _mix32(_mix32(index ^ s1) ^ s2)
+    # (j = 32 reads the whole pattern, which is below the position only when non-negative)
+    move = (_top_bits(r, j) < position) & ((j < 32) | (r >= 0))
+    q = (s - frac) + (move.to(torch.int32) << torch.clamp(d, max=24))
+    # d >= 24: the value is below the smallest subnormal step: 0 or that step
+    out = torch.where(d >= 24, torch.where(move, tiny_bits, 0), top + q)
+    out = torch.where(out > max_bits, over_bits, out)
+    out = torch.where(nan, _NAN_BITS, out)
+    return (out | sign).view(torch.float32)
+
+
+def freeze_code_fp32(old: torch.Tensor, new: torch.Tensor, p: torch.Tensor):
+    """:func:`_freeze_code` with the code as uint8."""
+    code, moved = _freeze_code(old, new, p)
+    return code.to(torch.uint8), moved
+
+
+def freeze_code_tagged_fp32(old: torch.Tensor, new: torch.Tensor, tag: torch.Tensor, p: torch.Tensor):
+    """:func:`_freeze_code` with ``tag`` (int32, one per element: the index of the element's
+    tensor in a pack, shifted left by 8) or-ed into the code: one bincount then counts the codes
+    of every tensor of the pack. (int32 throughout: inductor's CPU code handles int16 lane by
+    lane.)"""
+    code, moved = _freeze_code(old, new, p)
+    return code | tag, moved
+
+
+def _freeze_code(old: torch.Tensor, new: torch.Tensor, p: torch.Tensor):
+    """The freeze statistics of the update ``new - old`` (float32) for the format ``p``
+    (int32, :func:`freeze_params`) describes, as :class:`lowprec_demo.prediction.FreezePredictor`
+    defines them: the stored weight is ``w = q(old)`` (round to nearest) and ``d = new - old``.
+
+    Returns ``(code, moved)``: ``code`` (int32, one per element, below 256) holds in bit 0 whether the
+    element freezes (:func:`lowprec_demo.rounding.would_freeze`), in bit 1 whether ``|d|/gap``
+    is at most ``2**-(k+1)`` (few-bit SR never moves it) and in bits 2-7 the bin of
+    ``log2(|d|/gap)`` (0..33, as ``bucketize`` with edges -24..8; ratio 0 in bin 0; 63 for NaN);
+    ``moved`` (float64, 0-dim) is the sum of the move probabilities ``min(1, |d|/gap)``, with k
+    random bits resolved to k bits as :func:`lowprec_demo.rounding.move_probability` does.
+
+    Everything is decided on bit patterns: NaN and infinity (``torch.isnan`` and friends
+    compile to a loop over lanes on the CPU), signs, and the freeze rule itself, read off the
+    exactly computed ratio ``|d|/gap`` (below 1/2, or 1/2 at an even multiple of the gap)."""
+    man_bits, emin_b, sat_bits, fewbit_bits = p[0], p[1], p[4], p[5]
+    w = rne_fp32(old, p[:4])
+    d = new - old
+    wb, db = w.view(torch.int32), d.view(torch.int32)
+    wu, du = wb & 0x7FFFFFFF, db & 0x7FFFFFFF
+    opposite = (wb ^ db) < 0                # the signs differ (NaN w or d is settled below)
+    # the gap on d's side of w (lowprec_demo.rounding._side_gap): toward zero from a power of two
+    # (inf included) the grid below is twice as fine
+    inward = (du != 0) & (wu != 0) & opposite & ((wu & 0x7FFFFF) == 0)
+    ew = wu >> 23
+    gap_exp = torch.clamp(ew - inward.to(torch.int32), min=emin_b) - man_bits   # biased exponent of the gap
+    # |d| / gap by multiplication with 2**-g, split in two normal factors when 2**-g is beyond
+    # float32's normal range (both factors >= 1 when it is large, so the product rounds once;
+    # only ratios below 2**-126 can round twice, and they stay below every threshold here); an
+    # infinite gap (m = 0 at inf) gives 0 or NaN, as the division does
+    neg_g = 127 - gap_exp                   # -128..149
+    first = torch.clamp(neg_g, min=-126, max=127)
+    ratio = d.abs() * ((first + 127) << 23).view(torch.float32) * ((neg_g - first + 127) << 23).view(torch.float32)
+    ratio = torch.where(gap_exp >= 255, torch.where(du < _INF_BITS, 0.0, float("nan")), ratio)
+    rb = ratio.view(torch.int32)
+    # would_freeze: |d| below half a gap, or exactly half with w an even multiple of the gap
+    e1 = torch.clamp(ew, min=1)
+    t = gap_exp + 23 - e1                   # |w| / gap = (significand of w) * 2**-t
+    odd = (t >= 0) & ((((wu - ((e1 - 1) << 23)) >> torch.clamp(t, min=0, max=31)) & 1) != 0)
+    frozen = (rb < _HALF_BITS) | ((rb == _HALF_BITS) & ~odd & (wu != _INF_BITS))
+    frozen = frozen | ((wu == sat_bits) & (du != 0) & ~opposite)           # saturated max, outward
+    frozen = frozen | ((wu == _INF_BITS) & ((du < _INF_BITS) | (db == wb)))  # inf: finite or same inf
+    frozen = frozen & (wu <= _INF_BITS) & (du <= _INF_BITS)                # NaN never
+    # log2(ratio) rounded up, + 24: the bin of bucketize(log2 ratio, -24..8)
+    bin_ = torch.clamp((rb >> 23) - 103 + ((rb & 0x7FFFFF) != 0).to(torch.int32), min=0, max=CODE_BINS - 1)
+    bin_ = torch.where(rb > _INF_BITS, _NO_BIN, bin_)
+    code = frozen.to(torch.int32) | ((rb <= fewbit_bits).to(torch.int32) << 1) | (bin_ << 2)
+    probability = torch.clamp(ratio, max=1.0)
+    k = p[6]                                # 2**k and 2**-k as bit patterns (k <= 32)
+    resolved = torch.round(probability * ((k + 127) << 23).view(torch.float32)) * ((127 - k) << 23).view(torch.float32)
+    probability = torch.where(k > 0, resolved, probability)
+    moved = probability.to(torch.float64).sum()
+    return code, moved
+
+
+def equal_count_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many elements of ``a`` equal those of ``b`` (``a == b`` as floats compare: NaN never,
+    +0 and -0 always), as an int64 0-dim tensor, in one pass that writes nothing."""
+    return torch.where(a == b, 1, 0).sum()
+
+
+EAGER_CHUNK = 1 << 22       # eagerly, big tensors go in slices: ~20 temporaries of a slice each
+
+
+def _sr_eager(x: torch.Tensor, p: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """:func:`sr_fp32` run eagerly slice by slice into ``out`` (the same bits: each slice is told
+    the index of its first element)."""
+    for start in range(0, x.numel(), EAGER_CHUNK):
+        q = p.clone()
+        q[8] += start
+        out[start:start + EAGER_CHUNK] = sr_fp32(x[start:start + EAGER_CHUNK], q)
+    return out
+
+
+def _freeze_eager(fn, old: torch.Tensor, new: torch.Tensor, *rest):
+    """A freeze kernel run eagerly slice by slice: codes concatenated, move sums added."""
+    codes, moved = [], None
+    for start in range(0, old.numel(), EAGER_CHUNK):
+        piece = slice(start, start + EAGER_CHUNK)
+        sliced = [t[piece] if t.dim() else t for t in rest[:-1]]
+        code, m = fn(old[piece], new[piece], *sliced, rest[-1])
+        codes.append(code)
+        moved = m if moved is None else moved + m
+    if not codes:
+        return fn(old, new, *rest)
+    return torch.cat(codes), moved
+
+
+def _rne_fp32_(x: torch.Tensor, p: torch.Tensor) -> None:
+    x.copy_(rne_fp32(x, p))
+
+
+def _sr_fp32_(x: torch.Tensor, p: torch.Tensor) -> None:
+    x.copy_(sr_fp32(x, p))
+
+
+# ------------------------------------------------------------------------------------------------
+# compiling, with the eager function as the fallback
+# ------------------------------------------------------------------------------------------------
+_lock = threading.Lock()
+_state = {"mode": os.environ.get("LOWPREC_FUSED", "auto").strip().lower() or "auto"}
+if _state["mode"] in ("1", "true", "yes"):
+    _state["mode"] = "on"
+elif _state["mode"] in ("0", "false", "no"):
+    _state["mode"] = "off"
+elif _state["mode"] not in MODES:
+    _state["mode"] = "auto"
+
+
+class _Kernel:
+    """A kernel function with its compiled versions (one per device type), the time the first
+    compiled call took, the eager work done so far and why compiling failed, if it did."""
+
+    def __init__(self, fn, name: str) -> None:
+        self.fn = fn
+        self.name = name
+        self.compiled: Dict[str, object] = {}
+        self.compile_seconds: Dict[str, float] = {}
+        self.failed: Dict[str, str] = {}
+        self.eager_numel = 0
+        self.calls = {"compiled": 0, "eager": 0}
+
+    def _want_compiled(self, numel: int, device_type: str) -> bool:
+        mode = _state["mode"]
+        if mode == "off" or numel < MIN_NUMEL or device_type in self.failed:
+            return False
+        if mode == "on" or device_type in self.compiled:
+            return True
+        return self.eager_numel + numel > EAGER_BUDGET
+
+    def __call__(self, *args, eager=None):
+        """Run compiled when the mode says so, else ``eager()`` (or the function itself)."""
+        x = args[0]
+        device_type = x.device.type
+        if not self._want_compiled(x.numel(), device_type):
+            return self._eager(args, eager)
+        fn = self.compiled.get(device_type)
+        try:
+            if fn is not None and not torch.is_grad_enabled():
+                out = fn(*args)
+            else:
+                with torch.no_grad():  # one grad mode: no recompilation for callers with grad on
+                    out = fn(*args) if fn is not None else self._compile(device_type, args)
+        except Exception as error:  # no compiler, unsupported platform...: the eager path
+            message = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
+            self.failed[device_type] = f"{type(error).__name__}: {message}"
+            self.compiled.pop(device_type, None)
+            return self._eager(args, eager)
+        self.calls["compiled"] += 1
+        return out
+
+    def _compile(self, device_type: str, args):
+        with _lock:
+            fn = self.compiled.get(device_type)
+            if fn is not None:
+                return fn(*args)
+            fn = torch.compile(self.fn, dynamic=True, fullgraph=True)
+            start = time.perf_counter()
+            out = fn(*args)
+            self.compile_seconds[device_type] = time.perf_counter() - start
+            self.compiled[device_type] = fn
+            return out
+
+    def _eager(self, args, eager):
+        self.eager_numel += args[0].numel()
+        self.calls["eager"] += 1
+        return self.fn(*args) if eager is None else eager()
+
+
+_KERNELS = {
+    "nearest": _Kernel(rne_fp32, "nearest"),
+    "nearest_": _Kernel(_rne_fp32_, "nearest_"),
+    "stochastic": _Kernel(sr_fp32, "stochastic"),
+    "stochastic_": _Kernel(_sr_fp32_, "stochastic_"),
+    "freeze": _Kernel(freeze_code_fp32, "freeze"),
+    "freeze_tagged": _Kernel(freeze_code_tagged_fp32, "freeze_tagged"),
+    "equal_count": _Kernel(equal_count_fp32, "equal_count"),
+}
+
+
+def set_mode(mode: str) -> str:
+    """Choose when compiled kernels are used: ``"auto"``, ``"on"`` or ``"off"``; returns the
+    previous mode. The results are the same bits in every mode.
+
+    Example:
+        >>> previous = set_mode("off"); set_mode(previous)
+        'off'
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
+    previous, _state["mode"] = _state["mode"], mode
+    return previous
+
+
+def get_mode() -> str:
+    """The current mode (see :func:`set_mode`)."""
+    return _state["mode"]
+
+
+def status() -> dict:
+    """Which kernels are compiled (per device type), how long their first call took, how many
+    calls ran compiled and eagerly, and why compilation failed, if it did.
+
+    Example: ``status()["mode"]`` -> ``"auto"``."""
+    return {"mode": _state["mode"], "torch": torch.__version__,
+            "kernels": {name: {"compiled": sorted(k.compiled), "compile_seconds": dict(k.compile_seconds),
+                               "failed": dict(k.failed), "calls": dict(k.calls)}
+                        for name, k in _KERNELS.items()}}
+
+
+def reset() -> None:
+    """Forget compiled kernels, failures and eager work (for tests and benchmarks)."""
+    for name, k in list(_KERNELS.items()):
+        _KERNELS[name] = _Kernel(k.fn, name)
+
+
+# ------------------------------------------------------------------------------------------------
+# entry points for rounding.py, optimizer.py and prediction.py
+# ------------------------------------------------------------------------------------------------
+_PARAM_CACHE: Dict[tuple, torch.Tensor] = {}
+
+
+def _cached_params(kind: str, fmt: FloatFormat, policy: Optional[str], rand_bits: Optional[int],
+                   device: torch.device) -> torch.Tensor:
+    """The parameter tensor of a format (no seed), made once per device."""
+    key = (kind, fmt, policy, rand_bits, device)
+    t = _PARAM_CACHE.get(key)
+    if t is None:
+        values = nearest_params(fmt, policy) if kind == "nearest" else freeze_params(fmt, rand_bits)
+        if len(_PARAM_CACHE) > 256:
+            _PARAM_CACHE.clear()
+        t = _PARAM_CACHE[key] = torch.tensor(values, dtype=torch.int32, device=device)
+    return t
+
+
+def nearest(x: torch.Tensor, fmt: FloatFormat, policy: str, eager=None) -> torch.Tensor:
+    """RNE of a float32 tensor (any shape and layout) as a new tensor: compiled, or ``eager()``
+    (by default the kernel function itself)."""
+    p = _cached_params("nearest", fmt, policy, None, x.device)
+    flat = x.reshape(-1)
+    out = _KERNELS["nearest"](flat, p, eager=eager)
+    return out if out.shape == x.shape else out.view(x.shape)
+
+
+def nearest_(x: torch.Tensor, fmt: FloatFormat, policy: str, eager=None) -> torch.Tensor:
+    """RNE of a contiguous float32 tensor, in place: compiled, or ``eager()``."""
+    p = _cached_params("nearest", fmt, policy, None, x.device)
+    _KERNELS["nearest_"](x.view(-1), p, eager=eager)
+    return x
+
+
+def stochastic(x: torch.Tensor, fmt: FloatFormat, policy: str, rand_bits: Optional[int], seed: int) -> torch.Tensor:
+    """SR of a float32 tensor as a new tensor; element i of ``x`` in row-major order draws the
+    hash of (seed, i)."""
+    p = torch.tensor(stochastic_params(fmt, policy, rand_bits, seed), dtype=torch.int32, device=x.device)
+    flat = x.reshape(-1)
+    out = _KERNELS["stochastic"](flat, p, eager=lambda: _sr_eager(flat, p, torch.empty_like(flat)))
+    return out.view(x.shape)
+
+
+def stochastic_(x: torch.Tensor, fmt: FloatFormat, policy: str, rand_bits: Optional[int], seed: int) -> torch.Tensor:
+    """SR of a contiguous float32 tensor, in place (the same bits as :func:`stochastic`)."""
+    p = torch.tensor(stochastic_params(fmt, policy, rand_bits, seed), dtype=torch.int32, device=x.device)
+    flat = x.view(-1)
+    _KERNELS["stochastic_"](flat, p, eager=lambda: _sr_eager(flat, p, flat))
+    return x
+
+
+def equal_count(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """:func:`equal_count_fp32` of two flat float32 tensors (eagerly: ``torch.eq(a, b).sum()``)."""
+    return _KERNELS["equal_count"](a, b, eager=lambda: torch.eq(a, b).sum())
+
+
+def freeze_code(old: torch.Tensor, new: torch.Tensor, fmt: FloatFormat, rand_bits: Optional[int],
+                tag: Optional[torch.Tensor] = None):
+    """:func:`freeze_code_fp32` of two flat float32 tensors, or with ``tag``
+    :func:`freeze_code_tagged_fp32`."""
+    p = _cached_params("freeze", fmt, None, rand_bits, old.device)
+    if tag is None:
+        return _KERNELS["freeze"](old, new, p, eager=lambda: _freeze_eager(freeze_code_fp32, old, new, p))
+    return _KERNELS["freeze_tagged"](old, new, tag, p,
+                                     eager=lambda: _freeze_eager(freeze_code_tagged_fp32, old, new, tag, p))
+
+
+SMALL_NUMEL = 1 << 16      # tensors below this size are packed together, one kernel call each pack
+PACK_NUMEL = 1 << 20       # the most elements in one pack
+PACK_TENSORS = 256         # the most tensors in one pack
+
+
+def pack(tensors: list) -> list:
+    """Split a list of tensors into runs of consecutive indices: every tensor of at least
+    :data:`SMALL_NUMEL` elements alone, the small ones packed, up to :data:`PACK_NUMEL` elements
+    and :data:`PACK_TENSORS` tensors per pack, so that a model's many small tensors cost one kernel call instead of one each.
+
+    Example:
+        >>> pack([torch.zeros(3), torch.zeros(4), torch.zeros(1 << 16), torch.zeros(5)])
+        [[0, 1], [2], [3]]
+    """
+    groups, run, run_numel = [], [], 0
+    for i, t in enumerate(tensors):
+        n = t.numel()
+        if n >= SMALL_NUMEL:
+            if run:
+                groups.append(run)
+                run, run_numel = [], 0
+            groups.append([i])
+            continue
+        if run and (run_numel + n > PACK_NUMEL or len(run) >= PACK_TENSORS or t.device != tensors[run[0]].device
+                    or t.dtype != tensors[run[0]].dtype):
+            groups.append(run)
+            run, run_numel = [], 0
+        run.append(i)
+        run_numel += n
+    if run:
+        groups.append(run)
+    return groups
+
+
+def compile_all(device="cpu") -> dict:
+    """Compile every kernel for ``device`` now (mode "on" for the duration) and return
+    :func:`status`: the first call of each is timed there, or its failure recorded."""
+    previous = set_mode("on")
+    try:
+        x = torch.randn(4096, device=device)
+        fmt = FloatFormat(5, 3)
+        nearest(x, fmt, "inf")
+        nearest_(x.clone(), fmt, "inf")
+        stochastic(x, fmt, "inf", None, 1)
+        stochastic_(x.clone(), fmt, "inf", None, 1)
+        freeze_code(x, x + 1e-3, fmt, None)
+        freeze_code(x, x + 1e-3, fmt, None, torch.zeros(4096, dtype=torch.int32, device=device))
+        equal_count(x, x + 1e-3)
+        if x.device.type == "cuda":
+            torch.cuda.synchronize()
+    finally:
+        set_mode(previous)
+    return status()
+
+
+def fits(x: torch.Tensor, fmt: FloatFormat) -> bool:
+    """Whether the fused kernels handle this tensor and format: float32 values, a format that
+    float32 holds (which quantize has checked already for float32 input)."""
+    return x.dtype == torch.float32 and fmt.e_max + 1 <= 128

@@ -1,0 +1,542 @@
+"""How fast is it: ``python -m lowprec_demo.bench``.
+
+Measures in one run, side by side, and prints tables with ratios:
+
+* ``quantize`` (round to nearest and stochastic rounding) of a float32 tensor for bf16, fp16,
+  e4m3, e5m2 and a format torch has no dtype for (e5m3), against torch's native round trip
+  ``x.to(dtype).float()`` (for e5m3: the bf16 round trip), with the bytes per second achieved
+  (counting one read and one write of float32, the least any rounding has to move) and the
+  memory ``quantize`` allocates beyond its input (the output is one input-sized tensor);
+* QPyTorch's ``float_quantize`` and pychop's ``Chop``, where they are installed (they are not
+  requirements), with the number of elements whose result differs from the exact one;
+* one training step of the quick nanoGPT and of GPT-2 124M (the experiments' quick settings:
+  AdamW, random tokens) with the plain optimizer, with ``LowPrecisionOptimizer`` (nearest,
+  stochastic), with freeze observation on, and the plain step with freeze prediction on: the
+  ratios to the plain step and the peak memory of each;
+* how the costs grow: ``quantize`` against tensor size, and the tracked step against model size;
+* the one-time cost of compiling the fused kernels.
+
+Timings are medians over rounds in which every variant runs once, so a machine whose load
+changes during the run slows all of them alike. ``--device cuda`` runs the same on a GPU;
+``--quick`` is a small version (seconds on a CPU; about a minute on a GPU, compilation
+included); ``--out`` writes everything as JSON.
+
+Example:
+    ``python -m lowprec_demo.bench --threads 1 --out bench.json``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import re
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from . import _fused
+from .formats import get_format
+from .models import GPT, gpt_config
+from .optimizer import LowPrecisionOptimizer
+from .prediction import FreezeObserver, FreezePredictor
+from .rounding import quantize
+
+__all__ = ["run", "main", "QUANTIZE_FORMATS", "MODELS"]
+
+# (format, torch dtype of its native round trip or None)
+QUANTIZE_FORMATS = [("bf16", torch.bfloat16), ("fp16", torch.float16), ("e4m3", torch.float8_e4m3fn),
+                    ("e5m2", torch.float8_e5m2), ("e5m3", None)]
+
+# The experiments' quick settings (lowprec_demo/experiments/nanogpt.py and gpt2.py)
+MODELS = {
+    "nanogpt-quick": dict(config=dict(name="nanogpt-quick", n_layer=2, n_head=4, n_embd=64, block_size=64,
+                                      vocab_size=65),
+                          batch=8, context=64, format="bf16", params="all", lr=1e-3, betas=(0.9, 0.99)),
+    "shakespeare-char": dict(config=dict(name="shakespeare-char", vocab_size=65),
+                             batch=8, context=64, format="bf16", params="all", lr=1e-3, betas=(0.9, 0.99)),
+    "gpt2": dict(config=dict(name="gpt2"), batch=4, context=64, format="e4m3", params="matrices", lr=6e-4,
+                 betas=(0.9, 0.95)),
+}
+VARIANTS = ("plain", "nearest", "stochastic", "nearest+observer", "plain+predictor")
+
+
+# ------------------------------------------------------------------------------------------------
+# measuring
+# ------------------------------------------------------------------------------------------------
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _rounds(cases: Dict[str, Callable[[], object]], device: str, repeats: int, warmup: int = 1) -> Dict[str, float]:
+    """Median seconds of each case. Every round runs every case once, starting one case later
+    each round, so that neither a changing machine load nor the position in the round (caches
+    warmed by the case before) favours one case."""
+    for _ in range(warmup):
+        for fn in cases.values():
+            fn()
+    _sync(device)
+    names = list(cases)
+    times: Dict[str, List[float]] = {name: [] for name in cases}
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            _sync(device)
+            start = time.perf_counter()
+            cases[name]()
+            _sync(device)
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def _peak_extra_bytes(fn: Callable[[], object], device: str) -> Optional[int]:
+    """The most memory ``fn`` holds at once beyond what was allocated before it: on a GPU the
+    CUDA allocator's peak; on the CPU the running sum of the allocations and frees torch's
+    profiler records (every tensor torch allocates, compiled code included). None if neither
+    works."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        out = fn()
+        torch.cuda.synchronize()
+        del out
+        return torch.cuda.max_memory_allocated() - before
+    try:
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            out = fn()
+            del out
+        running = peak = 0
+        for event in sorted(prof.events(), key=lambda e: e.time_range.start):
+            running += event.self_cpu_memory_usage
+            peak = max(peak, running)
+        return peak
+    except Exception:
+        return None
+
+
+def _machine(device: str) -> dict:
+    if device.startswith("cuda"):
+        name = torch.cuda.get_device_name()
+    else:
+        name = platform.processor() or platform.machine()
+        try:
+            with open("/proc/cpuinfo") as f:
+                found = re.search(r"model name\s*:\s*(.+)", f.read())
+            name = found.group(1).strip() if found else name
+        except OSError:
+            pass
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "device": device,
+            "device_name": name, "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform(),
+            "load_average_start": None if load is None else [round(v, 2) for v in load]}
+
+
+# ------------------------------------------------------------------------------------------------
+# compiling
+# ------------------------------------------------------------------------------------------------
+def warm_up(device: str) -> dict:
+    """Compile every fused kernel and time each first call."""
+    start = time.perf_counter()
+    _fused.compile_all(device)
+    wall = time.perf_counter() - start
+    kernels = _fused.status()["kernels"]
+    dev = torch.device(device).type
+    seconds = {k: v["compile_seconds"].get(dev) for k, v in kernels.items()}
+    # (the first call of each kernel in this process, whenever it happened)
+    return {"total_seconds": sum(v for v in seconds.values() if v is not None), "seconds": seconds,
+            "wall_seconds_now": wall,
+            "failed": {k: v["failed"][dev] for k, v in kernels.items() if dev in v["failed"]}}
+
+
+# ------------------------------------------------------------------------------------------------
+# quantize
+# ------------------------------------------------------------------------------------------------
+def bench_quantize(n: int, device: str, repeats: int, eager: bool = True) -> List[dict]:
+    """One row per (format, rounding): native round trip, quantize (fused), quantize eager."""
+    torch.manual_seed(0)
+    x = torch.randn(n, device=device)
+    rows = []
+    natives = {}
+    for name, dtype in QUANTIZE_FORMATS:
+        ref_dtype = dtype or torch.bfloat16
+        if ref_dtype not in natives:
+            natives[ref_dtype] = lambda d=ref_dtype: x.to(d).float()
+        for rounding in ("nearest", "stochastic"):
+            cases = {"native": natives[ref_dtype],
+                     "quantize": lambda f=name, r=rounding: quantize(x, f, r, generator=1)}
+            previous = _fused.set_mode("on")
+            try:
+                t = _rounds(cases, device, repeats)
+                extra = _peak_extra_bytes(cases["quantize"], device)
+            finally:
+                _fused.set_mode(previous)
+            row = {"format": name, "rounding": rounding, "n": n,
+                   "native_dtype": str(ref_dtype).replace("torch.", ""), "native_is_own_dtype": dtype is not None,
+                   "native_ms": t["native"] * 1e3, "quantize_ms": t["quantize"] * 1e3,
+                   "ratio": t["quantize"] / t["native"],
+                   "quantize_GBps": 8 * n / t["quantize"] / 1e9, "native_GBps": 8 * n / t["native"] / 1e9,
+                   "extra_memory_inputs": None if extra is None else extra / (4 * n)}
+            if eager:
+                previous = _fused.set_mode("off")
+                try:
+                    row["eager_ms"] = _rounds({"q": cases["quantize"]}, device, max(1, repeats // 2), 1)["q"] * 1e3
+                finally:
+                    _fused.set_mode(previous)
+            rows.append(row)
+    return rows
+
+
+def bench_libraries(n: int, device: str, repeats: int) -> List[dict]:
+    """QPyTorch's float_quantize and pychop's Chop, where installed, against quantize: time and
+    the number of elements that differ from the exact result (nearest: bit for bit)."""
+    torch.manual_seed(0)
+    x = torch.randn(n, device=device)
+    edge = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 3e-8, 1e30, -1e30, math.inf, -math.inf, 500.0, 464.0,
+                         61440.0, 65520.0, 2.0**-17, 1.0 + 2.0**-4], device=device)
+    rows = []
+    libraries = {}
+    try:
+        from qtorch.quant import float_quantize
+        libraries["qtorch"] = lambda t, fmt, r: float_quantize(t, fmt.exp_bits, fmt.man_bits, rounding=r)
+    except Exception as error:  # not installed, or its C++ extension does not build
+        rows.append({"library": "qtorch", "error": f"{type(error).__name__}: {str(error)[:200]}"})
+    try:
+        from pychop import Chop
+
+        def chop(t, fmt, r):
+            return Chop(exp_bits=fmt.exp_bits, sig_bits=fmt.man_bits, rmode=1 if r == "nearest" else 5)(t)
+        libraries["pychop"] = chop
+    except Exception as error:
+        rows.append({"library": "pychop", "error": f"{type(error).__name__}: {str(error)[:200]}"})
+    for lib, fn in libraries.items():
+        for name, _ in QUANTIZE_FORMATS:
+            fmt = get_format(name)
+            for rounding in ("nearest", "stochastic"):
+                row = {"library": lib, "format": name, "rounding": rounding, "n": n}
+                try:
+                    t = _rounds({"lib": lambda f=fn, q=fmt, r=rounding: f(x, q, r),
+                                 "quantize": lambda q=fmt, r=rounding: quantize(x, q, r, generator=1)},
+                                device, repeats)
+                    row.update(lib_ms=t["lib"] * 1e3, quantize_ms=t["quantize"] * 1e3,
+                               ratio_lib_to_quantize=t["lib"] / t["quantize"])
+                    if rounding == "nearest":
+                        probe = torch.cat([x[:100_000], edge])
+                        theirs, ours = fn(probe, fmt, "nearest").float(), quantize(probe, fmt)
+                        differ = ~((theirs == ours) | (theirs.isnan() & ours.isnan()))
+                        row["differ"] = int(differ.sum())
+                        row["differ_examples"] = [(probe[i].item(), theirs[i].item(), ours[i].item())
+                                                  for i in differ.nonzero().flatten()[:4].tolist()]
+                    else:  # unbiased? mean error over many draws of one value
+                        v = torch.full((200_000,), 1.0 + fmt.eps / 3, device=device)
+                        row["sr_mean_minus_x_in_gaps"] = ((fn(v, fmt, rounding).double().mean() - v[0].double())
+                                                          / (fmt.eps)).item()
+                except Exception as error:
+                    row["error"] = f"{type(error).__name__}: {str(error)[:200]}"
+                rows.append(row)
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------
+# training steps
+# ------------------------------------------------------------------------------------------------
+def _decay_groups(model: torch.nn.Module) -> list:
+    params = list(model.parameters())
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def bench_training(model_name: str, device: str, repeats: int, variants=VARIANTS) -> dict:
+    """Step times of every variant of one model, their ratios to the plain step and the peak
+    memory of a step. One model and one AdamW (``foreach=False``, as the training loop builds
+    it) are shared by the variants, which differ only in what wraps and watches the step."""
+    spec = MODELS[model_name]
+    cfg = dict(spec["config"])
+    config = gpt_config(cfg.pop("name"), **cfg)
+    torch.manual_seed(0)
+    model = GPT(config, generator=torch.Generator().manual_seed(0)).to(device)
+    inner = torch.optim.AdamW(_decay_groups(model), lr=spec["lr"], betas=spec["betas"], foreach=False)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randint(0, config.vocab_size, (spec["batch"], spec["context"]), generator=gen).to(device)
+    y = torch.randint(0, config.vocab_size, (spec["batch"], spec["context"]), generator=gen).to(device)
+    lowprec = {n: p for n, p in model.named_parameters() if spec["params"] == "all" or p.dim() >= 2}
+    fmt = spec["format"]
+
+    def lpo(rounding):
+        return LowPrecisionOptimizer(inner, fmt, rounding=rounding, generator=torch.Generator().manual_seed(2),
+                                     params=list(lowprec.values()))
+    setups = {"plain": (inner, None), "nearest": (lpo("nearest"), None), "stochastic": (lpo("stochastic"), None),
+              "nearest+observer": (lpo("nearest"), FreezeObserver(lowprec, fmt)),
+              "plain+predictor": (inner, FreezePredictor(lowprec, [fmt]))}
+
+    def step_of(opt, tracker):
+        def step():
+            loss = model(x, y)[1]
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            if tracker is not None:
+                tracker.before_step()
+            opt.step()
+            if tracker is not None:
+                tracker.after_step()
+        return step
+    cases = {v: step_of(*setups[v]) for v in variants}
+    times = _rounds(cases, device, repeats)
+    # the added work alone (no forward, backward or AdamW around it): less noisy than a
+    # difference of whole steps, though a little cheaper than inside a step (warmer caches)
+    lp_n, lp_s = setups["nearest"][0], setups["stochastic"][0]
+    observer, predictor = setups["nearest+observer"][1], setups["plain+predictor"][1]
+
+    @torch.no_grad()
+    def store(opt, rounding):
+        opt._store(opt.lowprec_params, opt.fmt, rounding)
+    parts = _rounds({"nearest": lambda: store(lp_n, "nearest"), "stochastic": lambda: store(lp_s, "stochastic"),
+                     "observer": lambda: (observer.before_step(), observer.after_step()),
+                     "predictor": lambda: (predictor.before_step(), predictor.after_step())}, device, repeats)
+    alone = {"plain": 0.0, "nearest": parts["nearest"], "stochastic": parts["stochastic"],
+             "nearest+observer": parts["nearest"] + parts["observer"], "plain+predictor": parts["predictor"]}
+    peaks = {}
+    for v in variants:   # each from the same state: gradients released, optimizer state made
+        inner.zero_grad(set_to_none=True)
+        peaks[v] = _peak_extra_bytes(cases[v], device)
+    n_params = sum(p.numel() for p in model.parameters())
+    state = sum(t.numel() * t.element_size() for s in inner.state.values() for t in s.values() if torch.is_tensor(t))
+    return {"model": model_name, "params": n_params, "lowprec_params": sum(p.numel() for p in lowprec.values()),
+            "format": fmt, "batch": spec["batch"], "context": spec["context"],
+            "step_ms": {v: t * 1e3 for v, t in times.items()},
+            "ratio": {v: times[v] / times["plain"] for v in variants},
+            "added_alone_ms": {v: alone[v] * 1e3 for v in variants},
+            "ratio_from_parts": {v: 1 + alone[v] / times["plain"] for v in variants},
+            "memory_MB": {"parameters": n_params * 4 / 2**20, "optimizer_state": state / 2**20},
+            "held_MB": {v: _held_bytes(*setups[v]) / 2**20 for v in variants},
+            "peak_extra_MB": {v: None if p is None else p / 2**20 for v, p in peaks.items()}}
+
+
+def _held_bytes(opt, tracker) -> int:
+    """Memory a variant keeps between steps beyond the model and its optimizer: the tracker's
+    snapshot buffers and the packs of LowPrecisionOptimizer."""
+    total = 0
+    for plan in getattr(opt, "_pack_cache", {}).values():
+        total += sum(flat.numel() * flat.element_size() for _, flat, _ in plan if flat is not None)
+    for pack in getattr(tracker, "_packs", []):
+        total += pack.buffer.numel() * pack.buffer.element_size()
+        total += 0 if pack.tags is None else pack.tags.numel() * pack.tags.element_size()
+    return total
+
+
+# ------------------------------------------------------------------------------------------------
+# scale
+# ------------------------------------------------------------------------------------------------
+def bench_scale(sizes: List[int], device: str, repeats: int) -> List[dict]:
+    """quantize time per element against tensor size: native bf16 round trip, nearest e5m3,
+    stochastic bf16."""
+    rows = []
+    previous = _fused.set_mode("on")
+    try:
+        for n in sizes:
+            x = torch.randn(n, device=device)
+            t = _rounds({"native bf16": lambda x=x: x.to(torch.bfloat16).float(),
+                         "nearest e5m3": lambda x=x: quantize(x, "e5m3"),
+                         "stochastic bf16": lambda x=x: quantize(x, "bf16", "stochastic", generator=1)},
+                        device, repeats)
+            rows.append({"n": n, **{f"{k} ms": v * 1e3 for k, v in t.items()},
+                         **{f"{k} ns/element": v * 1e9 / n for k, v in t.items()}})
+    finally:
+        _fused.set_mode(previous)
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------
+# printing
+# ------------------------------------------------------------------------------------------------
+def _table(headers: List[str], rows: List[list]) -> str:
+    widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) if rows else len(str(h)) for i, h in enumerate(headers)]
+
+    def line(cells):
+        return "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths)) + " |"
+    return "\n".join([line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in rows])
+
+
+def _fmt(value, digits=2) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def report(result: dict) -> str:
+    """The tables of a :func:`run` result, as Markdown."""
+    m = result["machine"]
+    out = [f"# lowprec_demo benchmark, {m['date']}",
+           f"{m['device_name']} ({m['device']}, {m['threads']} threads of {m['cpu_count']} cores), torch {m['torch']}, "
+           f"load average at start {m['load_average_start']}, fused kernels: {result['fused']['mode']}"]
+    comp = result.get("compile")
+    if comp:
+        out.append(f"\nCompiling the fused kernels (first call of each, once per process): "
+                   f"{comp['total_seconds']:.1f} s in all"
+                   + (f"; FAILED, using the eager path: {comp['failed']}" if comp["failed"] else ""))
+    q = result.get("quantize")
+    if q:
+        out.append(f"\n## quantize, {q[0]['n'] / 2**20:g}M float32 elements (ms, median; ratio = quantize / native round trip)")
+        rows = [[r["format"], r["rounding"], f"x.to({r['native_dtype']}).float()" + ("" if r["native_is_own_dtype"] else " *"),
+                 _fmt(r["native_ms"], 1), _fmt(r["quantize_ms"], 1), _fmt(r["ratio"]), _fmt(r["quantize_GBps"]),
+                 _fmt(r.get("eager_ms"), 0), _fmt(r["extra_memory_inputs"])] for r in q]
+        out.append(_table(["format", "rounding", "native round trip", "native", "quantize", "ratio", "GB/s",
+                           "eager", "memory / input"], rows))
+        out.append("(* no torch dtype: compared with the bf16 round trip. GB/s counts one float32 read and one "
+                   "write. eager: with the fused kernels off. memory / input: peak extra memory of one call over the "
+                   "input's size; the result itself is 1.)")
+    libs = result.get("libraries")
+    if libs:
+        out.append("\n## Other libraries (same input; differ = elements of 100k random + edge cases whose "
+                   "nearest result is not the exact one)")
+        rows = []
+        for r in libs:
+            if "error" in r and "format" not in r:
+                rows.append([r["library"], "-", "-", "-", "-", "-", r["error"][:80]])
+            else:
+                note = r.get("error", "")
+                if "differ" in r:
+                    note = f"differ: {r['differ']}" + (f", e.g. (x, theirs, exact) {r['differ_examples'][:2]}"
+                                                      if r["differ"] else "")
+                elif "sr_mean_minus_x_in_gaps" in r:
+                    note = f"mean - x: {r['sr_mean_minus_x_in_gaps']:+.4f} eps"
+                rows.append([r["library"], r["format"], r["rounding"], _fmt(r.get("lib_ms"), 1),
+                             _fmt(r.get("quantize_ms"), 1), _fmt(r.get("ratio_lib_to_quantize")), note[:120]])
+        out.append(_table(["library", "format", "rounding", "library ms", "quantize ms", "library / quantize", "note"],
+                          rows))
+    for t in result.get("training", []):
+        out.append(f"\n## Training step: {t['model']} ({t['params'] / 1e6:.2f}M parameters, {t['format']} on "
+                   f"{t['lowprec_params'] / 1e6:.2f}M of them, batch {t['batch']} x {t['context']} tokens)")
+        rows = [[v, _fmt(t["step_ms"][v], 1), _fmt(t["ratio"][v], 3), _fmt(t["added_alone_ms"][v], 1),
+                 _fmt(t["ratio_from_parts"][v], 3), _fmt(t["peak_extra_MB"][v], 0), _fmt(t["held_MB"][v], 0)]
+                for v in t["step_ms"]]
+        out.append(_table(["variant", "step ms", "ratio to plain", "added work alone, ms", "1 + alone / plain",
+                           "peak MB in the step", "MB held between steps"], rows))
+        out.append(f"(parameters {t['memory_MB']['parameters']:.0f} MB, AdamW state "
+                   f"{t['memory_MB']['optimizer_state']:.0f} MB; peak: the most the step allocates beyond them, "
+                   f"gradients and activations included; held: snapshot copies of the tracked tensors and packs)")
+        if "eager_ratio" in t:
+            out.append("with the fused kernels off: " + ", ".join(f"{v} {r:.3f}" for v, r in t["eager_ratio"].items()))
+    s = result.get("scale")
+    if s:
+        out.append("\n## Scale: quantize against tensor size (ns per element)")
+        keys = [k[:-len(" ns/element")] for k in s[0] if k.endswith("ns/element")]
+        out.append(_table(["elements"] + keys,
+                          [[f"{r['n'] / 2**20:g}M"] + [_fmt(r[f"{k} ns/element"]) for k in keys] for r in s]))
+    ms = result.get("model_scale")
+    if ms:
+        out.append("\n## Scale: the tracked step against model size (ms per step; ms per million parameters of "
+                   "overhead over the plain step)")
+        rows = []
+        for t in ms:
+            plain = t["step_ms"]["plain"]
+            rows.append([t["model"], f"{t['params'] / 1e6:.2f}M", _fmt(plain, 1)]
+                        + [f"{_fmt(t['step_ms'][v], 1)} ({_fmt((t['step_ms'][v] - plain) / (t['lowprec_params'] / 1e6), 2)})"
+                           for v in t["step_ms"] if v != "plain"])
+        out.append(_table(["model", "parameters", "plain"] + [v for v in ms[0]["step_ms"] if v != "plain"], rows))
+    return "\n".join(out)
+
+
+# ------------------------------------------------------------------------------------------------
+# the whole run
+# ------------------------------------------------------------------------------------------------
+def run(device: str = "cpu", quick: bool = False, size: Optional[int] = None, repeats: Optional[int] = None,
+        models: Optional[List[str]] = None, libraries: bool = True, eager: bool = True,
+        scale_sizes: Optional[List[int]] = None, progress: bool = True) -> dict:
+    """Run the benchmark and return its results (see the module docstring).
+
+    Example:
+        >>> result = run(quick=True, size=1 << 12, models=[], libraries=False, scale_sizes=[])
+    """
+    say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if progress else (lambda *a: None)
+    on_gpu = device.startswith("cuda")
+    size = size or (1 << 24 if (on_gpu or not quick) else 1 << 20)
+    repeats = repeats or (5 if quick else 7)
+    if models is None:
+        models = ["nanogpt-quick", "gpt2"] if (on_gpu or not quick) else ["nanogpt-quick"]
+    if scale_sizes is None:
+        scale_sizes = [1 << 20, 1 << 22, 1 << 24, 1 << 26] if not quick else [1 << 18, 1 << 20, 1 << 22]
+    result = {"machine": _machine(device), "command": " ".join(sys.argv)}
+    say("compiling the fused kernels ...")
+    result["compile"] = warm_up(device)
+    say(f"quantize, {size} elements ...")
+    result["quantize"] = bench_quantize(size, device, repeats, eager=eager)
+    if libraries:
+        say("other libraries ...")
+        result["libraries"] = bench_libraries(size, device, max(3, repeats // 2))
+    result["training"] = []
+    for name in models:
+        say(f"training steps: {name} ...")
+        # small models: many short rounds (their steps are milliseconds); GPT-2 on a CPU: a few
+        train_repeats = (3 if quick else 5) if (name == "gpt2" and not on_gpu) else (15 if quick else 40)
+        previous = _fused.set_mode("on")
+        try:
+            t = bench_training(name, device, train_repeats)
+        finally:
+            _fused.set_mode(previous)
+        if eager and name == "nanogpt-quick":
+            previous = _fused.set_mode("off")
+            try:
+                t["eager_ratio"] = bench_training(name, device, train_repeats)["ratio"]
+            finally:
+                _fused.set_mode(previous)
+        result["training"].append(t)
+    if scale_sizes:
+        say("scale ...")
+        result["scale"] = bench_scale(scale_sizes, device, max(3, repeats // 2))
+        sized = [t for t in result["training"]]
+        if not quick and "shakespeare-char" not in models:
+            previous = _fused.set_mode("on")
+            try:
+                sized.append(bench_training("shakespeare-char", device, 10))
+            finally:
+                _fused.set_mode(previous)
+        result["model_scale"] = sorted(sized, key=lambda t: t["params"])
+    result["fused"] = _fused.status()
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    result["machine"]["load_average_end"] = None if load is None else [round(v, 2) for v in load]
+    return result
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m lowprec_demo.bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    parser.add_argument("--quick", action="store_true", help="a small version: 1M elements, the quick nanoGPT only "
+                        "(on a GPU: 16M elements and both models)")
+    parser.add_argument("--size", type=int, default=None, help="elements of the quantize benchmark (default 16M)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed rounds (default 7, --quick 5)")
+    parser.add_argument("--models", default=None, help="comma-separated: nanogpt-quick, shakespeare-char, gpt2")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--no-libraries", action="store_true", help="skip QPyTorch and pychop")
+    parser.add_argument("--no-eager", action="store_true", help="skip the measurements with the fused kernels off")
+    parser.add_argument("--no-scale", action="store_true", help="skip the scale tables")
+    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no GPU")
+    models = None if args.models is None else [m for m in args.models.split(",") if m]
+    result = run(args.device, args.quick, args.size, args.repeats, models, not args.no_libraries, not args.no_eager,
+                 scale_sizes=[] if args.no_scale else None)
+    print(report(result))
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1, default=str)
+        print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

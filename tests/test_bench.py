@@ -1,0 +1,452 @@
+"""The fused kernels against the eager code, bit for bit, and the benchmark at tiny sizes.
+
+``lowprec_demo._fused`` runs each kernel either compiled (``torch.compile``) or eagerly. Here the
+compiled kernels are compared with the eager path on the exhaustive point sets of
+``test_rounding.py`` (round to nearest: against the package's own eager code, which that file
+checks against the exact reference), on random bit patterns and numbers around every format's
+range (stochastic rounding: compiled against the same function run eagerly, every few-bit
+setting and overflow policy), and on the freeze rule (against ``would_freeze``,
+``update_ulp_ratio`` and an exact histogram). No timing is asserted.
+"""
+
+import math
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import test_rounding as TR  # the exhaustive point sets and helpers
+
+from lowprec_demo import _fused, bench
+from lowprec_demo.formats import get_format
+from lowprec_demo.optimizer import LowPrecisionOptimizer
+from lowprec_demo.prediction import RATIO_BINS, FreezeObserver, FreezePredictor
+from lowprec_demo.rounding import quantize, random_bits, update_ulp_ratio, would_freeze
+
+pytestmark = [pytest.mark.filterwarnings("ignore:invalid value encountered in cast:RuntimeWarning"),
+              pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning"),
+              pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """The compiled kernels on the CPU, ``{name: function}``; skipped where torch.compile cannot
+    build them (no C++ compiler): the eager path is then all there is, and test_rounding.py
+    checks it."""
+    _fused.compile_all("cpu")
+    kernels = _fused._KERNELS
+    failed = {k: v.failed["cpu"] for k, v in kernels.items() if "cpu" in v.failed}
+    if failed:
+        pytest.skip(f"torch.compile is not available here: {failed}")
+    return {name: k.compiled["cpu"] for name, k in kernels.items()}
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit patterns, any NaN matching any NaN."""
+    a, b = a.reshape(-1), b.reshape(-1)
+    nan = a.isnan()
+    return torch.equal(nan, b.isnan()) and torch.equal(a[~nan].view(torch.int32), b[~nan].view(torch.int32))
+
+
+def sample_fp32(fmt, seed, n=20_000):
+    """Random bit patterns, numbers around the format's range (subnormals and overflow included)
+    and the special values: 2n + 5 float32 numbers, a length that is no multiple of a vector."""
+    xs = np.concatenate([TR.random_fp32(n, seed), TR.focused(fmt, n, seed + 1, np.float32)])
+    return torch.from_numpy(xs.astype(np.float32))
+
+
+ROUND_FORMATS = {**TR.EXHAUSTIVE, **TR.WIDE}
+
+
+# ------------------------------------------------------------------------------------------------
+# round to nearest
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("key,policy", TR.EXHAUSTIVE_CASES)
+def test_compiled_nearest_is_the_eager_code_on_the_exhaustive_points(compiled, key, policy):
+    fmt = TR.EXHAUSTIVE[key]
+    x = torch.from_numpy(TR.exhaustive_points(key).astype(np.float32))
+    p = torch.tensor(_fused.nearest_params(fmt, policy), dtype=torch.int32)
+    eager = TR.generic_nearest(x, fmt, policy)
+    assert same_bits(compiled["nearest"](x, p), eager)
+    assert same_bits(_fused.rne_fp32(x, p), eager)   # the kernel function run eagerly
+    y = x.clone()
+    compiled["nearest_"](y, p)
+    assert same_bits(y, eager)
+
+
+@pytest.mark.parametrize("key", list(ROUND_FORMATS))
+def test_compiled_nearest_on_random_inputs(compiled, key):
+    fmt = ROUND_FORMATS[key]
+    x = sample_fp32(fmt, sum(map(ord, key)))
+    for policy in TR.policies(fmt):
+        p = torch.tensor(_fused.nearest_params(fmt, policy), dtype=torch.int32)
+        assert same_bits(compiled["nearest"](x, p), TR.generic_nearest(x, fmt, policy)), policy
+
+
+def test_quantize_takes_the_compiled_path_in_every_mode_alike():
+    """Whatever the mode, quantize returns the same bits (nearest and SR, float8 included)."""
+    x = sample_fp32(get_format("e4m3"), 3)
+    out = {}
+    for mode in ("off", "on"):
+        previous = _fused.set_mode(mode)
+        try:
+            out[mode] = [quantize(x, f, r, generator=7, rand_bits=k)
+                         for f in ("bf16", "e4m3", "e5m2", "e5m3", "e3m2")
+                         for r, k in (("nearest", None), ("stochastic", None), ("stochastic", 3))]
+        finally:
+            _fused.set_mode(previous)
+    assert all(same_bits(a, b) for a, b in zip(out["off"], out["on"]))
+
+
+# ------------------------------------------------------------------------------------------------
+# stochastic rounding
+# ------------------------------------------------------------------------------------------------
+SR_KEYS = list(TR.SR_FORMATS) + ["fp32", "e5m23", "e7m20", "e8m0", "e2m0"]
+
+
+@pytest.mark.parametrize("key", SR_KEYS)
+def test_compiled_sr_is_the_eager_function(compiled, key):
+    fmt = {**ROUND_FORMATS, **TR.SR_FORMATS}[key]
+    x = sample_fp32(fmt, sum(map(ord, key)), n=10_000)
+    for policy in TR.policies(fmt):
+        for k in (None, 1, 3, 8, 23, 24, 31, 32):
+            p = torch.tensor(_fused.stochastic_params(fmt, policy, k, 1234567891234), dtype=torch.int32)
+            eager = _fused.sr_fp32(x, p)
+            assert same_bits(compiled["stochastic"](x, p), eager), (policy, k)
+            y = x.clone()
+            compiled["stochastic_"](y, p)
+            assert same_bits(y, eager), (policy, k)
+        # every result is on the grid (continued above max, then the policy)
+        y = _fused.sr_fp32(x, p)
+        assert same_bits(quantize(y, fmt, overflow=policy), y)
+
+
+def test_eager_slices_give_the_same_bits(monkeypatch):
+    """Eagerly, big tensors are rounded (and their freeze statistics computed) slice by slice,
+    each slice told where it starts: the bits are those of one call."""
+    x = sample_fp32(get_format("e4m3"), 21, n=5000)
+    new = x * (1 + 2.0**-5)
+    fmt = get_format("e4m3")
+    p = torch.tensor(_fused.stochastic_params(fmt, "saturate", None, 77), dtype=torch.int32)
+    whole = _fused.sr_fp32(x, p)
+    fp = torch.tensor(_fused.freeze_params(fmt, 2), dtype=torch.int32)
+    code, moved = _fused.freeze_code_fp32(x, new, fp)
+    monkeypatch.setattr(_fused, "EAGER_CHUNK", 999)
+    previous = _fused.set_mode("off")
+    try:
+        assert same_bits(_fused.stochastic(x, fmt, "saturate", None, 77), whole)
+        y = x.clone()
+        _fused.stochastic_(y, fmt, "saturate", None, 77)
+        assert same_bits(y, whole)
+        code2, moved2 = _fused.freeze_code(x, new, fmt, 2)
+        assert torch.equal(code2, code)
+        assert (moved.isnan() and moved2.isnan()) or math.isclose(moved.item(), moved2.item(), rel_tol=1e-12)
+    finally:
+        _fused.set_mode(previous)
+
+
+def test_sr_random_bits_are_the_public_hash():
+    """The kernel's int32 hash is random_bits(), and SR moves exactly when the top bits of the
+    hash are below the position in the gap (checked at 32 bits, where d <= k)."""
+    n = 50_000
+    seed = (0xDEADBEEF << 32) | 0x12345678
+    s1, s2 = _fused.stochastic_params(get_format("bf16"), "inf", None, seed)[6:8]
+    h = _fused._mix32(_fused._mix32(torch.arange(n, dtype=torch.int32) ^ s1) ^ s2)
+    assert torch.equal(h.to(torch.int64) & 0xFFFFFFFF, random_bits((n,), seed))
+    # 1 + f * 2**-7 for f = i/2**16: moves up exactly when the top 16 bits of the hash < f * 2**16 / ...
+    frac = torch.randint(0, 1 << 16, (n,))
+    x = 1.0 + frac.double() * 2.0**-23
+    y = quantize(x.float(), "bf16", "stochastic", generator=seed)
+    r = random_bits((n,), seed)
+    assert torch.equal(y > 1.0, (r >> 16) < frac)
+
+
+# ------------------------------------------------------------------------------------------------
+# the freeze rule
+# ------------------------------------------------------------------------------------------------
+def exact_bins(ratio: torch.Tensor) -> torch.Tensor:
+    """bucketize(log2(ratio), edges -24..8) computed exactly: ceil(log2 r) + 24, clamped; ratio 0
+    in bin 0; NaN -> 63 (ignored)."""
+    r = ratio.double()
+    mantissa, exponent = torch.frexp(r)          # r = mantissa * 2**exponent, mantissa in [0.5, 1)
+    ceil_log2 = torch.where(mantissa == 0.5, exponent - 1, exponent).double()
+    bins = torch.where(r > 0, (ceil_log2 + 24).clamp(0, len(RATIO_BINS)), torch.zeros_like(r))
+    bins = torch.where(torch.isinf(r), float(len(RATIO_BINS)), bins)
+    return torch.where(r.isnan(), 63.0, bins).to(torch.int64)
+
+
+def freeze_cases(key):
+    """(old, new): the edge pairs of test_rounding.py (grid weights, updates at fixed fractions
+    of the gap, ties, powers of two, infinities, NaN) and random pairs off the grid."""
+    fmt = TR.FREEZE_FORMATS[key]
+    pairs = TR.freeze_edge_cases(key, "float32")
+    w = torch.tensor([p[0] for p in pairs], dtype=torch.float32)
+    d = torch.tensor([p[1] for p in pairs], dtype=torch.float32)
+    new = w + d
+    keep = (new - w) == d              # the update the predictor sees is new - old
+    old, new = w[keep], new[keep]
+    rng = np.random.default_rng(5)
+    o = torch.from_numpy(TR.focused(fmt, 5000, 6, np.float32))
+    step = torch.from_numpy((rng.standard_normal(5000) * 2.0 ** rng.uniform(-30, 2, 5000)).astype(np.float32))
+    specials = torch.tensor([math.nan, math.inf, -math.inf, 0.0, 1.0, 1.0, math.inf, 2.0])
+    specials_new = torch.tensor([1.0, math.inf, 3.0, math.nan, math.inf, -math.inf, -math.inf, 2.0 - 2.0**-20])
+    return torch.cat([old, o, specials]), torch.cat([new, o + o * step, specials_new])
+
+
+@pytest.mark.parametrize("key", list(TR.FREEZE_FORMATS))
+def test_freeze_code_is_the_freeze_rule(compiled, key):
+    fmt = TR.FREEZE_FORMATS[key]
+    old, new = freeze_cases(key)
+    stored, update = quantize(old, fmt), new - old
+    frozen = would_freeze(stored, update, fmt)
+    ratio = update_ulp_ratio(stored, update, fmt)
+    for k in (None, 1, 3, 8):
+        p = torch.tensor(_fused.freeze_params(fmt, k), dtype=torch.int32)
+        eager_code, eager_moved = _fused.freeze_code_fp32(old, new, p)
+        code, moved = compiled["freeze"](old, new, p)
+        assert torch.equal(code, eager_code)
+        tag = (torch.arange(len(old), dtype=torch.int32) % 3) << 8
+        tagged, _ = compiled["freeze_tagged"](old, new, tag, p)
+        assert torch.equal(tagged, code.to(torch.int32) | tag)
+        assert torch.equal((code & 1).bool(), frozen)
+        if k is not None:
+            fewbit = torch.round(ratio.clamp(max=1.0) * 2.0**k) == 0
+            assert torch.equal(((code >> 1) & 1).bool(), fewbit)
+        assert torch.equal((code >> 2).to(torch.int64), exact_bins(ratio))
+        probability = ratio.clamp(max=1.0)
+        if k is not None:
+            probability = torch.round(probability * 2.0**k) / 2.0**k
+        want = probability.double().sum()
+        for got in (moved, eager_moved):
+            assert (got.isnan() and want.isnan()) or math.isclose(got.item(), want.item(), rel_tol=1e-9)
+
+
+def test_equal_count_is_torch_eq(compiled):
+    a = torch.tensor([0.0, -0.0, math.nan, math.inf, -math.inf, 1.0, 2.0, math.inf] * 1000)
+    b = torch.tensor([-0.0, 0.0, math.nan, math.inf, math.inf, 1.0, 2.5, 3.0] * 1000)
+    assert compiled["equal_count"](a, b).item() == torch.eq(a, b).sum().item() == 4000
+    assert _fused.equal_count_fp32(a, b).item() == 4000
+
+
+def _tracked_tensors():
+    torch.manual_seed(0)
+    return {"a": torch.randn(300) * 3, "b": torch.rand(7, 11) + 0.5, "big": torch.randn(1 << 16) * 0.02,
+            "c": torch.randn(5, 4), "d": torch.zeros(64)}
+
+
+def _run_trackers(trackers, tensors, steps=4):
+    g = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        for t in trackers:
+            t.before_step()
+        for t in tensors.values():
+            t += (10.0 ** -(step + 1)) * torch.randn(t.shape, generator=g) * (t.abs() + 1e-3)
+        for t in trackers:
+            t.after_step()
+
+
+@pytest.mark.parametrize("mode", ["off", "on"])
+def test_packed_predictor_matches_the_tensor_by_tensor_path(mode):
+    tensors = _tracked_tensors()
+    formats = ["bf16", "e4m3", "e5m3", "e2m1"]
+    packed, by_tensor = FreezePredictor(tensors, formats, rand_bits=3), FreezePredictor(tensors, formats, rand_bits=3)
+    by_tensor._after_step_packed = lambda packed: by_tensor._after_step_by_tensor()
+    exact_hist = {f: np.zeros(len(RATIO_BINS) + 1, dtype=np.int64) for f in formats}
+
+    class Histogram:   # the exact histogram of every step, from the public freeze functions
+        def before_step(self):
+            self.old = {k: v.clone() for k, v in tensors.items()}
+
+        def after_step(self):
+            for f in formats:
+                for k, v in tensors.items():
+                    ratio = update_ulp_ratio(quantize(self.old[k], f), v - self.old[k], f)
+                    bins = exact_bins(ratio.reshape(-1))
+                    exact_hist[f] += np.bincount(bins[bins < 63].numpy(), minlength=len(RATIO_BINS) + 1)
+
+    previous = _fused.set_mode(mode)
+    try:
+        _run_trackers([packed, by_tensor, Histogram()], tensors)
+    finally:
+        _fused.set_mode(previous)
+    for f in formats:
+        a, b = packed.record(f), by_tensor.record(f)
+        assert a.by_tensor == b.by_tensor and a.overall == b.overall and a.sizes == b.sizes
+        assert a.fewbit_frozen == b.fewbit_frozen
+        assert a.move_fraction == pytest.approx(b.move_fraction, rel=1e-6)
+        assert a.ratio_histogram == exact_hist[f].tolist()
+        assert sum(a.ratio_histogram) == sum(b.ratio_histogram)
+
+
+@pytest.mark.parametrize("mode", ["off", "on"])
+def test_packed_observer_matches_the_tensor_by_tensor_path(mode):
+    tensors = _tracked_tensors()
+    packed, by_tensor = FreezeObserver(tensors), FreezeObserver(tensors)
+    by_tensor._packed_now = lambda: None
+    with torch.no_grad():
+        tensors["a"][:100] = quantize(tensors["a"][:100], "e2m1")   # some elements do not move
+    previous = _fused.set_mode(mode)
+    try:
+        g = torch.Generator().manual_seed(2)
+        for _ in range(3):
+            packed.before_step(), by_tensor.before_step()
+            for t in tensors.values():
+                t.copy_(quantize(t + 1e-3 * torch.randn(t.shape, generator=g), "e4m3"))
+            packed.after_step(), by_tensor.after_step()
+    finally:
+        _fused.set_mode(previous)
+    assert packed.record.by_tensor == by_tensor.record.by_tensor
+    assert packed.record.overall == by_tensor.record.overall
+
+
+def test_trackers_follow_tensors_that_appear_later():
+    """State tensors appear after the first step: the tensor by tensor path takes that step,
+    the packed path the next ones, and the records agree with a fresh by-tensor observer."""
+    w = torch.nn.Parameter(torch.zeros(70_000))
+    opt = torch.optim.Adam([w], lr=0.1)
+
+    def source():
+        return {"w": w, **({"m": opt.state[w]["exp_avg"]} if opt.state[w] else {})}
+    packed, reference = FreezeObserver(source), FreezeObserver(source)
+    reference._packed_now = lambda: None
+    for _ in range(3):
+        w.grad = torch.zeros_like(w)
+        w.grad[:10] = 1.0
+        packed.before_step(), reference.before_step()
+        opt.step()
+        packed.after_step(), reference.after_step()
+    assert math.isnan(packed.record.by_tensor["m"][0])
+    assert repr(packed.record.by_tensor) == repr(reference.record.by_tensor)   # (NaN included)
+    assert packed.record.overall == reference.record.overall
+
+
+# ------------------------------------------------------------------------------------------------
+# the optimizer's packed, in-place rounding
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", ["bf16", "fp16", "e4m3", "e5m2", "e5m3", "e2m1"])
+@pytest.mark.parametrize("mode", ["off", "on"])
+def test_optimizer_store_is_quantize(fmt, mode):
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s) * 2) for s in [(3, 5), (7,), (1 << 16,), (4, 4, 2), ()]]
+    params.append(torch.nn.Parameter(torch.randn(6, 4).t()))   # not contiguous: rounded on its own
+    raw = [p.detach().clone() for p in params]
+    previous = _fused.set_mode(mode)
+    try:
+        opt = LowPrecisionOptimizer(torch.optim.SGD(params, lr=0.05), fmt, round_initial=False)
+        opt.round_params()
+    finally:
+        _fused.set_mode(previous)
+    for p, b in zip(params, raw):
+        assert same_bits(p.detach(), quantize(b, fmt))
+
+
+def test_optimizer_sr_is_the_same_in_every_mode():
+    runs = {}
+    for mode in ("off", "on"):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(s)) for s in [(300,), (1 << 16,), (5, 5)]]
+        previous = _fused.set_mode(mode)
+        try:
+            opt = LowPrecisionOptimizer(torch.optim.Adam(params, lr=1e-3), "e4m3", rounding="stochastic",
+                                        generator=torch.Generator().manual_seed(3), state_format="bf16",
+                                        state_rounding="stochastic")
+            for _ in range(3):
+                for p in params:
+                    p.grad = torch.ones_like(p)
+                opt.step()
+        finally:
+            _fused.set_mode(previous)
+        runs[mode] = [p.detach().clone() for p in params]
+        assert all(torch.equal(quantize(p, "e4m3"), p) for p in runs[mode])
+    assert all(torch.equal(a, b) for a, b in zip(runs["off"], runs["on"]))
+
+
+# ------------------------------------------------------------------------------------------------
+# fallback and switches
+# ------------------------------------------------------------------------------------------------
+def test_a_failing_compiler_falls_back_to_the_eager_path(monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("no C++ compiler here")
+    saved = dict(_fused._KERNELS)
+    _fused.reset()
+    monkeypatch.setattr(torch, "compile", broken)
+    previous = _fused.set_mode("on")
+    try:
+        x = torch.randn(1000)
+        a = quantize(x, "e5m3", "stochastic", generator=5)
+        status = _fused.status()
+        assert "no C++ compiler here" in status["kernels"]["stochastic"]["failed"]["cpu"]
+        assert status["kernels"]["stochastic"]["calls"]["eager"] == 1
+        assert torch.equal(a, quantize(x, "e5m3", "stochastic", generator=5))
+    finally:
+        _fused.set_mode(previous)
+        _fused._KERNELS.clear()
+        _fused._KERNELS.update(saved)
+    assert torch.equal(a, quantize(x, "e5m3", "stochastic", generator=5))
+
+
+def test_modes():
+    previous = _fused.set_mode("off")
+    assert _fused.get_mode() == "off"
+    _fused.set_mode(previous)
+    with pytest.raises(ValueError, match="auto, on, off"):
+        _fused.set_mode("always")
+    assert _fused.pack([torch.zeros(3), torch.zeros(1 << 16), torch.zeros(2), torch.zeros(2)]) == [[0], [1], [2, 3]]
+
+
+# ------------------------------------------------------------------------------------------------
+# the benchmark
+# ------------------------------------------------------------------------------------------------
+def test_benchmark_runs_at_tiny_sizes(tmp_path, capsys):
+    result = bench.run("cpu", quick=True, size=5000, repeats=1, models=["nanogpt-quick"], libraries=True,
+                       eager=True, scale_sizes=[4096, 8192], progress=False)
+    assert {r["format"] for r in result["quantize"]} == {"bf16", "fp16", "e4m3", "e5m2", "e5m3"}
+    assert all(r["ratio"] > 0 and r["quantize_GBps"] > 0 for r in result["quantize"])
+    training = result["training"][0]
+    assert set(training["ratio"]) == set(bench.VARIANTS) and training["ratio"]["plain"] == 1.0
+    text = bench.report(result)
+    for heading in ("## quantize", "## Training step: nanogpt-quick", "## Scale"):
+        assert heading in text
+    out = tmp_path / "bench.json"
+    assert bench.main(["--quick", "--size", "4096", "--repeats", "1", "--models", "", "--no-libraries",
+                       "--no-eager", "--no-scale", "--out", str(out)]) == 0
+    assert "wrote" in capsys.readouterr().out and out.exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# CUDA: the compiled GPU kernels give the CPU's bits
+# ------------------------------------------------------------------------------------------------
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+@cuda
+@pytest.mark.parametrize("key", ["bf16", "fp16", "e4m3", "e5m2", "e5m3", "e2m1", "e8m0", "tf32"])
+def test_cuda_compiled_kernels_match_the_cpu(key):
+    fmt = ROUND_FORMATS[key]
+    x = sample_fp32(fmt, 11)
+    previous = _fused.set_mode("on")
+    try:
+        for policy in TR.policies(fmt):
+            assert same_bits(_fused.nearest(x.cuda(), fmt, policy).cpu(), TR.generic_nearest(x, fmt, policy))
+            for k in (None, 3):
+                cpu = _fused.sr_fp32(x, torch.tensor(_fused.stochastic_params(fmt, policy, k, 99), dtype=torch.int32))
+                assert same_bits(_fused.stochastic(x.cuda(), fmt, policy, k, 99).cpu(), cpu)
+        old, new = x[:20_000].nan_to_num(0.0, 0.0, 0.0), x[:20_000] * (1 + 2.0**-9)
+        code, moved = _fused.freeze_code(old.cuda(), new.cuda().nan_to_num(0.0, 0.0, 0.0), fmt, 3)
+        p = torch.tensor(_fused.freeze_params(fmt, 3), dtype=torch.int32)
+        want_code, want_moved = _fused.freeze_code_fp32(old, new.nan_to_num(0.0, 0.0, 0.0), p)
+        assert torch.equal(code.cpu(), want_code)
+        assert math.isclose(moved.item(), want_moved.item(), rel_tol=1e-9)
+    finally:
+        _fused.set_mode(previous)

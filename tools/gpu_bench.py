@@ -1,0 +1,186 @@
+"""The GPU benchmark, in about a minute: checks, then times, then writes one JSON.
+
+    python tools/gpu_bench.py --out gpu_bench.json          # from the repository root
+
+1. Bits: the compiled (Triton) kernels on the GPU against the package's eager code on the CPU,
+   bit for bit: round to nearest on the exhaustive point sets of bf16, fp16, e4m3, e5m2, e5m3 and
+   e2m1 (every policy), stochastic rounding (full resolution and 3 bits) on random inputs, and the
+   freeze statistics. A mismatch is reported, not raised.
+2. Speed: ``python -m lowprec_demo.bench --device cuda --quick`` (quantize of 16M elements against
+   the native casts, the nanoGPT and GPT-2 training steps, quantize against size), with the
+   compile time of the fused kernels.
+
+If compiling fails (no Triton, an unsupported torch), the package falls back to its eager code:
+the benchmark then measures that, and the output says so (``fused_failed``). Each stage is
+guarded: whatever fails is recorded in the JSON, and the file is written in every case. Stages
+are skipped once ``--budget`` seconds (default 85) are spent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import traceback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def _say(t0, *args):
+    print(f"[gpu_bench {time.time() - t0:6.1f}s]", *args, flush=True)
+
+
+def check_bits(device: str) -> dict:
+    """Compiled GPU kernels against the CPU's eager code; counts of differing elements."""
+    import numpy as np
+    import torch
+
+    from lowprec_demo import _fused
+    from lowprec_demo.formats import get_format
+    from lowprec_demo.rounding import _generic_nearest
+
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    try:  # the exhaustive point sets of the test suite (needs pytest and ml_dtypes)
+        import test_rounding as TR
+        points, policies = (lambda key: TR.exhaustive_points(key)), TR.policies
+    except Exception:  # else float32 bit patterns at a stride, and the policies each format allows
+        TR = None
+
+        def points(key):
+            return np.arange(0, 2**32, 4093, dtype=np.uint64).astype(np.uint32).view(np.float32)
+
+        def policies(fmt):
+            return [p for p in ("inf", "saturate", "nan")
+                    if (p != "inf" or fmt.has_inf) and (p != "nan" or fmt.has_nan)]
+
+    def random_inputs(fmt, n):
+        rng = np.random.default_rng(1)
+        bits = rng.integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32).view(np.float32)
+        near = (rng.standard_normal(n) * 2.0 ** rng.uniform(-20, min(math.log2(fmt.max) + 2, 126), n)).astype(np.float32)
+        return torch.from_numpy(np.concatenate([bits, near, np.array([0.0, -0.0, np.inf, -np.inf, np.nan], np.float32)]))
+
+    def differ(a, b):
+        a, b = a.reshape(-1).cpu(), b.reshape(-1).cpu()
+        nan = a.isnan() | b.isnan()
+        return int((a.isnan() != b.isnan()).sum()) + int((a[~nan].view(torch.int32) != b[~nan].view(torch.int32)).sum())
+
+    out = {}
+    previous = _fused.set_mode("on")
+    try:
+        out["point_sets"] = "exhaustive (tests/test_rounding.py)" if TR is not None else "bit patterns, stride 4093"
+        for key in ("bf16", "fp16", "e4m3", "e5m2", "e5m3", "e2m1"):
+            fmt = get_format(key)
+            pts = torch.from_numpy(points(key).astype(np.float32))
+            rnd = random_inputs(fmt, 50_000)
+            row = {"points": len(pts), "random": len(rnd)}
+            for policy in policies(fmt):
+                row[f"nearest_{policy}"] = differ(_fused.nearest(pts.to(device), fmt, policy),
+                                                  _generic_nearest(pts, fmt, policy))
+                for k in (None, 3):
+                    p = torch.tensor(_fused.stochastic_params(fmt, policy, k, 2024), dtype=torch.int32)
+                    row[f"stochastic_{policy}_k{k}"] = differ(_fused.stochastic(rnd.to(device), fmt, policy, k, 2024),
+                                                              _fused.sr_fp32(rnd, p))
+            old = rnd.nan_to_num(0.0, 0.0, 0.0)
+            new = (old * (1 + 2.0**-9) + 1e-7).nan_to_num(0.0, 0.0, 0.0)
+            code, moved = _fused.freeze_code(old.to(device), new.to(device), fmt, 3)
+            p = torch.tensor(_fused.freeze_params(fmt, 3), dtype=torch.int32)
+            want_code, want_moved = _fused.freeze_code_fp32(old, new, p)
+            row["freeze_code"] = int((code.cpu() != want_code).sum())
+            row["moved_relative_error"] = abs(moved.item() - want_moved.item()) / max(1e-300, abs(want_moved.item()))
+            out[key] = row
+        # quantize end to end, as users call it (nearest float8 takes the fused kernel on the GPU)
+        x = random_inputs(get_format("e4m3"), 100_000)
+        out["quantize_e4m3_vs_cpu"] = differ(_fused.nearest(x.to(device), get_format("e4m3"), "saturate"),
+                                             _generic_nearest(x, get_format("e4m3"), "saturate"))
+    finally:
+        _fused.set_mode(previous)
+    out["total_differences"] = sum(v for row in out.values() if isinstance(row, dict)
+                                   for k, v in row.items() if k not in ("points", "random", "moved_relative_error")) + \
+        out["quantize_e4m3_vs_cpu"]
+    out["moved_relative_error_max"] = max(row["moved_relative_error"] for row in out.values()
+                                          if isinstance(row, dict) and "moved_relative_error" in row)
+    out["fused_status"] = _fused.status()
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="gpu_bench.json", help="JSON file to write")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--budget", type=float, default=85.0, help="seconds after which stages are skipped")
+    parser.add_argument("--no-check", action="store_true", help="skip the bit-for-bit check")
+    args = parser.parse_args(argv)
+    t0 = time.time()
+    result = {"argv": sys.argv, "stages": {}}
+
+    def save():
+        result["seconds"] = round(time.time() - t0, 1)
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1, default=str)
+
+    try:
+        import torch
+        result["torch"] = torch.__version__
+        result["cuda_available"] = torch.cuda.is_available()
+        if args.device.startswith("cuda") and not torch.cuda.is_available():
+            result["error"] = "no CUDA device"
+            _say(t0, "no CUDA device: nothing to measure")
+            save()
+            return 1
+        if args.device.startswith("cuda"):
+            result["gpu"] = torch.cuda.get_device_name()
+        try:
+            import triton
+            result["triton"] = triton.__version__
+        except Exception as error:
+            result["triton"] = f"not importable: {error}"
+        from lowprec_demo import _fused, bench
+    except Exception:
+        result["error"] = traceback.format_exc()
+        save()
+        print(result["error"])
+        return 1
+
+    if not args.no_check:
+        _say(t0, "bits: compiled GPU kernels against the CPU's eager code ...")
+        try:
+            check = check_bits(args.device)
+            result["stages"]["check"] = check
+            _say(t0, f"bits: {check['total_differences']} elements differ"
+                 + ("" if check["total_differences"] == 0 else " -- SEE THE JSON"))
+        except Exception:
+            result["stages"]["check"] = {"error": traceback.format_exc()}
+            _say(t0, "bits: the check failed:\n" + result["stages"]["check"]["error"])
+        save()
+
+    if time.time() - t0 < args.budget:
+        _say(t0, "speed: python -m lowprec_demo.bench --device cuda --quick ...")
+        try:
+            left = args.budget - (time.time() - t0)
+            models = ["nanogpt-quick", "gpt2"] if left > 40 else ["nanogpt-quick"]
+            run = bench.run(args.device, quick=True, models=models, libraries=False, eager=True,
+                            scale_sizes=[1 << 20, 1 << 22, 1 << 24, 1 << 26])
+            result["stages"]["bench"] = run
+            failed = run.get("compile", {}).get("failed")
+            if failed:
+                result["fused_failed"] = failed
+                _say(t0, f"NOTE: the fused kernels did not compile ({failed}); the plain path was measured")
+            print(bench.report(run), flush=True)
+        except Exception:
+            result["stages"]["bench"] = {"error": traceback.format_exc()}
+            _say(t0, "speed: failed:\n" + result["stages"]["bench"]["error"])
+    else:
+        result["stages"]["bench"] = {"skipped": f"budget of {args.budget} s spent"}
+    result["fused_status"] = _fused.status()
+    save()
+    _say(t0, f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
