@@ -134,7 +134,10 @@ def _machine(device: str) -> dict:
         except OSError:
             pass
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    from . import __version__
+    from .training import _git_commit
     return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "device": device,
+            "package_version": __version__, "git_commit": _git_commit(),
             "device_name": name, "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform(),
             "load_average_start": None if load is None else [round(v, 2) for v in load]}
@@ -378,7 +381,8 @@ def report(result: dict) -> str:
     m = result["machine"]
     out = [f"# lowprec_demo benchmark, {m['date']}",
            f"{m['device_name']} ({m['device']}, {m['threads']} threads of {m['cpu_count']} cores), torch {m['torch']}, "
-           f"load average at start {m['load_average_start']}, fused kernels: {result['fused']['mode']}"]
+           f"load average at start {m['load_average_start']}, fused kernels: {result['fused']['mode']}, "
+           f"lowprec_demo {m.get('package_version')} at commit {m.get('git_commit') or 'unknown'}"]
     comp = result.get("compile")
     if comp:
         out.append(f"\nCompiling the fused kernels (first call of each, once per process): "
