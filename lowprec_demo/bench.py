@@ -47,6 +47,7 @@ from .models import GPT, gpt_config
 from .optimizer import LowPrecisionOptimizer
 from .prediction import FreezeObserver, FreezePredictor
 from .rounding import quantize
+from .training import atomic_write_json
 
 __all__ = ["run", "main", "QUANTIZE_FORMATS", "MODELS"]
 
@@ -65,6 +66,7 @@ MODELS = {
                  betas=(0.9, 0.95)),
 }
 VARIANTS = ("plain", "nearest", "stochastic", "nearest+observer", "plain+predictor")
+STEP_SECONDS = 0.25   # a training step shorter than this is timed over several steps in a row
 
 
 # ------------------------------------------------------------------------------------------------
@@ -75,23 +77,34 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _rounds(cases: Dict[str, Callable[[], object]], device: str, repeats: int, warmup: int = 1) -> Dict[str, float]:
-    """Median seconds of each case. Every round runs every case once, starting one case later
-    each round, so that neither a changing machine load nor the position in the round (caches
-    warmed by the case before) favours one case."""
+def _rounds(cases: Dict[str, Callable[[], object]], device: str, repeats: int, warmup: int = 1,
+            min_seconds: float = 0.0) -> Dict[str, float]:
+    """Median seconds of each case. Every round runs every case, starting one case later each
+    round, so that neither a changing machine load nor the position in the round (caches warmed
+    by the case before) favours one case. A case faster than ``min_seconds`` runs several times
+    in a row within a round (as many as the slowest case of the warmup needs to last that long,
+    the same for every case), and its time is the mean of those runs: short steps are timed
+    over a span long enough for the clock and the scheduler."""
+    slowest = 0.0
     for _ in range(warmup):
         for fn in cases.values():
+            _sync(device)
+            start = time.perf_counter()
             fn()
-    _sync(device)
+            _sync(device)
+            slowest = max(slowest, time.perf_counter() - start)
+    inner = max(1, math.ceil(min_seconds / slowest)) if min_seconds > 0 and slowest > 0 else 1
     names = list(cases)
     times: Dict[str, List[float]] = {name: [] for name in cases}
     for r in range(repeats):
         for name in names[r % len(names):] + names[:r % len(names)]:
+            fn = cases[name]
             _sync(device)
             start = time.perf_counter()
-            cases[name]()
+            for _ in range(inner):
+                fn()
             _sync(device)
-            times[name].append(time.perf_counter() - start)
+            times[name].append((time.perf_counter() - start) / inner)
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
@@ -292,7 +305,7 @@ def bench_training(model_name: str, device: str, repeats: int, variants=VARIANTS
                 tracker.after_step()
         return step
     cases = {v: step_of(*setups[v]) for v in variants}
-    times = _rounds(cases, device, repeats)
+    times = _rounds(cases, device, repeats, min_seconds=STEP_SECONDS)
     # the added work alone (no forward, backward or AdamW around it): less noisy than a
     # difference of whole steps, though a little cheaper than inside a step (warmer caches)
     lp_n, lp_s = setups["nearest"][0], setups["stochastic"][0]
@@ -303,7 +316,8 @@ def bench_training(model_name: str, device: str, repeats: int, variants=VARIANTS
         opt._store(opt.lowprec_params, opt.fmt, rounding)
     parts = _rounds({"nearest": lambda: store(lp_n, "nearest"), "stochastic": lambda: store(lp_s, "stochastic"),
                      "observer": lambda: (observer.before_step(), observer.after_step()),
-                     "predictor": lambda: (predictor.before_step(), predictor.after_step())}, device, repeats)
+                     "predictor": lambda: (predictor.before_step(), predictor.after_step())}, device, repeats,
+                    min_seconds=STEP_SECONDS)
     alone = {"plain": 0.0, "nearest": parts["nearest"], "stochastic": parts["stochastic"],
              "nearest+observer": parts["nearest"] + parts["observer"], "plain+predictor": parts["predictor"]}
     peaks = {}
@@ -451,6 +465,56 @@ def report(result: dict) -> str:
     return "\n".join(out)
 
 
+#: the performance targets: the most each ratio may be (quantize against the native round trip,
+#: a training step against the plain step)
+TARGETS = {"nearest bf16/fp16": 1.5, "nearest, other formats": 2.5, "stochastic": 3.0, "memory / input": 2.0,
+           "nearest": 1.10, "stochastic step": 1.10, "nearest+observer": 1.15, "plain+predictor": 1.15}
+
+
+def _met(value: Optional[float], limit: float) -> str:
+    return "-" if value is None else ("yes" if value <= limit else "no")
+
+
+def summary(result: dict) -> str:
+    """The ratios of a :func:`run` result against :data:`TARGETS`, as two Markdown tables (the
+    short form the README and the book's introduction show). Training steps are judged both
+    ways the benchmark measures them: the whole step against the plain step, and the added work
+    timed alone over the plain step."""
+    m = result["machine"]
+    out = [f"Measured {m['date'][:10]} on {m['device_name']} ({m['device']}, {m['threads']} of {m['cpu_count']} "
+           f"cores), torch {m['torch']}, lowprec_demo {m.get('package_version')} at commit "
+           f"{(m.get('git_commit') or 'unknown')[:12]}."]
+    q = result.get("quantize") or []
+    if q:
+        out.append("")
+        rows = []
+        for r in q:
+            nearest = r["rounding"] == "nearest"
+            limit = (TARGETS["nearest bf16/fp16"] if r["format"] in ("bf16", "fp16") else
+                     TARGETS["nearest, other formats"]) if nearest else TARGETS["stochastic"]
+            native = f"x.to({r['native_dtype']}).float()" + ("" if r["native_is_own_dtype"] else " (no own dtype)")
+            rows.append([r["format"], r["rounding"], native, _fmt(r["native_ms"], 1), _fmt(r["quantize_ms"], 1),
+                         _fmt(r["ratio"]), f"<= {limit:g}", _met(r["ratio"], limit), _fmt(r["extra_memory_inputs"]),
+                         _met(r["extra_memory_inputs"], TARGETS["memory / input"])])
+        out.append(_table([f"quantize, {q[0]['n'] / 2**20:g}M fp32", "rounding", "native round trip", "native ms",
+                           "quantize ms", "ratio", "target", "met", "memory / input (<= 2)", "met"], rows))
+    training = result.get("training") or []
+    if training:
+        out.append("")
+        rows = []
+        for t in training:
+            for v in t["step_ms"]:
+                if v == "plain":
+                    continue
+                limit = TARGETS["stochastic step" if v == "stochastic" else v]
+                step, parts = t["ratio"][v], t["ratio_from_parts"][v]
+                rows.append([t["model"], v, _fmt(t["step_ms"]["plain"], 1), _fmt(t["step_ms"][v], 1), _fmt(step, 3),
+                             _fmt(parts, 3), f"<= {limit:g}", f"{_met(step, limit)} / {_met(parts, limit)}"])
+        out.append(_table(["training step", "variant", "plain ms", "variant ms", "ratio", "1 + added alone / plain",
+                           "target", "met (ratio / alone)"], rows))
+    return "\n".join(out)
+
+
 # ------------------------------------------------------------------------------------------------
 # the whole run
 # ------------------------------------------------------------------------------------------------
@@ -525,7 +589,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--no-eager", action="store_true", help="skip the measurements with the fused kernels off")
     parser.add_argument("--no-scale", action="store_true", help="skip the scale tables")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
+    parser.add_argument("--summary-of", default=None, metavar="JSON",
+                        help="measure nothing: print the tables and the summary against the targets of a "
+                             "result written before with --out")
     args = parser.parse_args(argv)
+    if args.summary_of:
+        try:
+            with open(args.summary_of) as f:
+                saved = json.load(f)
+        except (OSError, ValueError) as error:
+            parser.error(f"--summary-of: cannot read {args.summary_of}: {error}")
+        print(report(saved) + "\n\n## Against the targets\n" + summary(saved))
+        return 0
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -533,11 +608,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     models = None if args.models is None else [m for m in args.models.split(",") if m]
     result = run(args.device, args.quick, args.size, args.repeats, models, not args.no_libraries, not args.no_eager,
                  scale_sizes=[] if args.no_scale else None)
-    print(report(result))
+    print(report(result) + "\n\n## Against the targets\n" + summary(result))
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1, default=str)
+        atomic_write_json(args.out, json.loads(json.dumps(result, default=str)))
         print(f"\nwrote {args.out}")
     return 0
 

@@ -12,6 +12,7 @@ setting and overflow policy), and on the freeze rule (against ``would_freeze``,
 import math
 import os
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -408,7 +409,8 @@ def test_modes():
 # ------------------------------------------------------------------------------------------------
 # the benchmark
 # ------------------------------------------------------------------------------------------------
-def test_benchmark_runs_at_tiny_sizes(tmp_path, capsys):
+def test_benchmark_runs_at_tiny_sizes(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(bench, "STEP_SECONDS", 0.0)   # one step per timing: seconds, not minutes
     result = bench.run("cpu", quick=True, size=5000, repeats=1, models=["nanogpt-quick"], libraries=True,
                        eager=True, scale_sizes=[4096, 8192], progress=False)
     assert {r["format"] for r in result["quantize"]} == {"bf16", "fp16", "e4m3", "e5m2", "e5m3"}
@@ -421,7 +423,34 @@ def test_benchmark_runs_at_tiny_sizes(tmp_path, capsys):
     out = tmp_path / "bench.json"
     assert bench.main(["--quick", "--size", "4096", "--repeats", "1", "--models", "", "--no-libraries",
                        "--no-eager", "--no-scale", "--out", str(out)]) == 0
-    assert "wrote" in capsys.readouterr().out and out.exists()
+    printed = capsys.readouterr().out
+    assert "wrote" in printed and "## Against the targets" in printed and out.exists()
+    # the summary judges every ratio against its target, read back from the JSON
+    assert bench.main(["--summary-of", str(out)]) == 0
+    assert "| bf16 " in capsys.readouterr().out
+    text = bench.summary(result)
+    assert text.count("| nanogpt-quick |") == len(bench.VARIANTS) - 1
+    result["quantize"][0]["ratio"] = 9.0     # bf16 nearest, target 1.5
+    result["training"][0]["ratio"]["stochastic"] = 1.5
+    result["training"][0]["ratio_from_parts"]["stochastic"] = 1.01
+    rows = {tuple(c.strip() for c in line.split("|")[1:3]): line for line in bench.summary(result).splitlines()}
+    assert rows[("bf16", "nearest")].rstrip(" |").split("|")[-3].strip() == "no"
+    assert "| no / yes " in rows[("nanogpt-quick", "stochastic")]
+    with pytest.raises(SystemExit):
+        bench.main(["--summary-of", str(tmp_path / "missing.json")])
+
+
+def test_rounds_times_short_cases_over_several_runs():
+    calls = {"a": 0, "b": 0}
+
+    def case(name):
+        def fn():
+            calls[name] += 1
+            time.sleep(0.002)
+        return fn
+    times = bench._rounds({"a": case("a"), "b": case("b")}, "cpu", repeats=3, warmup=1, min_seconds=0.02)
+    assert calls["a"] == calls["b"] and calls["a"] >= 1 + 3 * 5   # warmup, then >= 5 runs per round
+    assert all(0.002 <= t < 0.02 for t in times.values())
 
 
 # ------------------------------------------------------------------------------------------------
