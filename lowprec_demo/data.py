@@ -37,6 +37,8 @@ from typing import Iterable, Optional, Union
 import numpy as np
 import torch
 
+from .runtime import default_file_mode
+
 __all__ = [
     "SHAKESPEARE_URL",
     "SHAKESPEARE_SHA256",
@@ -173,6 +175,7 @@ def download(url: str, dest: PathLike, sha256: str, timeout: float = 30) -> Path
     fd, tmp_name = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".part")
     digest = hashlib.sha256()
     try:
+        default_file_mode(fd)
         with os.fdopen(fd, "wb") as out:
             try:
                 with urllib.request.urlopen(url, timeout=timeout) as response:

@@ -94,3 +94,11 @@ class _Silent:
 
     def set_postfix(self, *args, **kwargs) -> None:
         pass
+
+
+def default_file_mode(fd: int) -> None:
+    """Give a file made by ``tempfile.mkstemp`` (mode 0600) the mode a plain ``open`` would have
+    given it (0666 less the umask), so that a file written atomically is readable as any other."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.fchmod(fd, 0o666 & ~mask)

@@ -45,7 +45,7 @@ import torch
 from .formats import get_format
 from .optimizer import LowPrecisionOptimizer, select_params
 from .prediction import FreezeObserver, FreezePredictor, FreezeRecord, freeze_step, steps_agree
-from .runtime import pick_device, progress_bar
+from .runtime import default_file_mode, pick_device, progress_bar
 
 __all__ = ["TrainConfig", "Task", "RunRecord", "TrainResult", "train_variants", "train_formats", "run_formats",
            "lr_factor", "VARIANTS", "OPTIMIZERS", "SCHEDULES", "provenance", "atomic_write_json",
@@ -305,6 +305,7 @@ def atomic_write_json(path, data: dict) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        default_file_mode(fd)
         with os.fdopen(fd, "w") as f:
             json.dump(data, f, allow_nan=True, separators=(",", ":"))
             f.write("\n")

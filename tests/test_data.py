@@ -93,6 +93,9 @@ def test_download_good_hash(served, tmp_path, monkeypatch):
     assert download(f"{url}/blob.bin", dest, hashlib.sha256(payload).hexdigest()) == dest
     assert dest.read_bytes() == payload
     assert os.listdir(dest.parent) == ["blob.bin"]
+    mask = os.umask(0)
+    os.umask(mask)
+    assert dest.stat().st_mode & 0o777 == 0o666 & ~mask   # as open() would make it, not mkstemp's 0600
 
 
 def test_download_bad_hash_leaves_nothing(served, tmp_path, monkeypatch):

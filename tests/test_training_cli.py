@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -54,6 +55,9 @@ def test_json_layout_round_trip_and_atomic_write(tmp_path):
     p = d["prediction"]
     assert len(p["frozen_predicted"]) == 80 and "threshold" in p and "freeze_step" in p
     assert [f.name for f in tmp_path.iterdir()] == ["r.json"]  # no temporary file left behind
+    mask = os.umask(0)
+    os.umask(mask)
+    assert out.stat().st_mode & 0o777 == 0o666 & ~mask   # readable as a file open() makes
     result = TrainResult.load(out)
     assert result.predicted_freeze_step() == p["freeze_step"]
     assert result.runs["nearest"].loss == d["runs"]["nearest"]["loss"]
