@@ -63,7 +63,9 @@ class TrainConfig:
     ``lowprec_params`` chooses which parameters live in low precision (``"all"`` or
     ``"matrices"``); ``predict_formats`` lists extra formats the reference run predicts besides
     ``format``; ``threshold`` is the frozen fraction that defines the freeze step; ``options``
-    holds experiment-specific settings (model sizes and the like).
+    holds experiment-specific settings (model sizes and the like). ``sr_seed`` seeds stochastic
+    rounding's random bits (None: ``seed + 1``), so that SR can be drawn again on the same problem
+    and initialisation.
     """
 
     format: str = "bf16"
@@ -81,6 +83,7 @@ class TrainConfig:
     threshold: float = 0.5
     lowprec_params: str = "all"
     rand_bits: Optional[int] = None
+    sr_seed: Optional[int] = None
     predict_formats: tuple = ()
     variants: tuple = ("reference", "nearest", "stochastic")
     eval_every: int = 0
@@ -108,6 +111,9 @@ class TrainConfig:
             raise ValueError(f"lr must be a positive number, got {self.lr!r}")
         if not 0 < self.threshold <= 1:
             raise ValueError(f"threshold must be in (0, 1], got {self.threshold}")
+        if self.sr_seed is not None and (isinstance(self.sr_seed, bool) or not isinstance(self.sr_seed, int)
+                                         or self.sr_seed < 0):
+            raise ValueError(f"sr_seed must be None or a non-negative integer, got {self.sr_seed!r}")
 
     @property
     def formats(self) -> List[str]:
@@ -495,7 +501,7 @@ def _run_one(variant: str, model: torch.nn.Module, task: Task, config: TrainConf
     else:
         # the same seed on every process: stochastic rounding draws the same bits everywhere,
         # so data-parallel replicas stay bit-identical
-        gen = torch.Generator().manual_seed(config.seed + 1)
+        gen = torch.Generator().manual_seed(config.seed + 1 if config.sr_seed is None else config.sr_seed)
         opt = LowPrecisionOptimizer(opt, config.format, rounding="stochastic" if variant == "stochastic" else "nearest",
                                     generator=gen, rand_bits=config.rand_bits,
                                     params=list(tracked.values()),

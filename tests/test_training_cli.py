@@ -100,3 +100,18 @@ def test_config_validation():
         lp.TrainConfig(schedule="linear")
     with pytest.raises(ValueError, match="valid names"):
         lp.TrainConfig(format="bf99")
+
+
+def test_sr_seed_redraws_stochastic_rounding_only():
+    """``sr_seed`` changes the random bits of SR and nothing else; None is ``seed + 1``."""
+    def run(**kw):
+        return lp.run_experiment("quadratic", fmt="bf16", steps=60, dim=16, rand_bits=2, progress=False,
+                                 variants=("reference", "stochastic"), **kw)
+    default, same, other = run(), run(sr_seed=1), run(sr_seed=7)
+    assert default.runs["stochastic"].loss == same.runs["stochastic"].loss
+    assert default.runs["reference"].loss == other.runs["reference"].loss
+    assert default.prediction.fewbit_frozen == other.prediction.fewbit_frozen
+    assert default.runs["stochastic"].loss != other.runs["stochastic"].loss
+    assert other.config.sr_seed == 7 and TrainResult.from_dict(other.to_dict()).config.sr_seed == 7
+    with pytest.raises(ValueError, match="sr_seed must be None or a non-negative integer"):
+        run(sr_seed=-1)
