@@ -310,19 +310,41 @@ def bench_training(model_name: str, device: str, repeats: int, variants=VARIANTS
     cases = {v: step_of(*setups[v]) for v in variants}
     times = _rounds(cases, device, repeats, min_seconds=STEP_SECONDS)
     # the added work alone (no forward, backward or AdamW around it): less noisy than a
-    # difference of whole steps, though a little cheaper than inside a step (warmer caches)
+    # difference of whole steps, though a little cheaper than inside a step (warmer caches).
+    # The trackers see a real update: the weights before and after one plain AdamW step are
+    # kept and written back around before_step/after_step (a zero update would put every
+    # element in the same histogram bin, the slowest case for the predictor's bincount); the
+    # time of those two copies is measured alone and taken off.
     lp_n, lp_s = setups["nearest"][0], setups["stochastic"][0]
     observer, predictor = setups["nearest+observer"][1], setups["plain+predictor"][1]
+    tracked = list(lowprec.values())
+    with torch.no_grad():
+        weights_before = [p.detach().clone() for p in tracked]
+    cases["plain"]()
+    with torch.no_grad():
+        weights_after = [p.detach().clone() for p in tracked]
 
     @torch.no_grad()
     def store(opt, rounding):
         opt._store(opt.lowprec_params, opt.fmt, rounding)
+
+    @torch.no_grad()
+    def across_update(tracker=None):
+        for p, w in zip(tracked, weights_before):
+            p.copy_(w)
+        if tracker is not None:
+            tracker.before_step()
+        for p, w in zip(tracked, weights_after):
+            p.copy_(w)
+        if tracker is not None:
+            tracker.after_step()
     parts = _rounds({"nearest": lambda: store(lp_n, "nearest"), "stochastic": lambda: store(lp_s, "stochastic"),
-                     "observer": lambda: (observer.before_step(), observer.after_step()),
-                     "predictor": lambda: (predictor.before_step(), predictor.after_step())}, device, repeats,
-                    min_seconds=STEP_SECONDS)
+                     "copies": across_update, "observer": lambda: across_update(observer),
+                     "predictor": lambda: across_update(predictor)}, device, repeats, min_seconds=STEP_SECONDS)
+    observe = max(0.0, parts["observer"] - parts["copies"])
+    predict = max(0.0, parts["predictor"] - parts["copies"])
     alone = {"plain": 0.0, "nearest": parts["nearest"], "stochastic": parts["stochastic"],
-             "nearest+observer": parts["nearest"] + parts["observer"], "plain+predictor": parts["predictor"]}
+             "nearest+observer": parts["nearest"] + observe, "plain+predictor": predict}
     peaks = {}
     for v in variants:   # each from the same state: gradients released, optimizer state made
         inner.zero_grad(set_to_none=True)
