@@ -157,25 +157,34 @@ def _decompose(u: torch.Tensor, man_bits, emin_b):
     return top, u - top, d
 
 
+def _unpack(x: torch.Tensor):
+    """A float32 tensor's sign bit, its magnitude's bit pattern (0 for NaN) and where it is NaN."""
+    bits = x.view(torch.int32)
+    u = bits & 0x7FFFFFFF
+    nan = u > _INF_BITS
+    return bits & _INT32_MIN, torch.where(nan, 0, u), nan
+
+
+def _repack(out: torch.Tensor, sign: torch.Tensor, nan: torch.Tensor, max_bits, over_bits) -> torch.Tensor:
+    """Magnitude bits ``out`` back to float32: beyond the format's max the overflow value, NaN
+    where the input was NaN, the input's sign."""
+    out = torch.where(out > max_bits, over_bits, out)
+    out = torch.where(nan, _NAN_BITS, out)
+    return (out | sign).view(torch.float32)
+
+
 def rne_fp32(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """Round-to-nearest-even of a float32 tensor onto the grid that ``p`` (int32,
     :func:`nearest_params`) describes, with its overflow policy; the sign (of zero too) is kept
     and NaN stays NaN."""
     man_bits, emin_b, max_bits, over_bits = p[0], p[1], p[2], p[3]
-    bits = x.view(torch.int32)
-    sign = bits & _INT32_MIN
-    u = bits & 0x7FFFFFFF
-    nan = u > _INF_BITS
-    u = torch.where(nan, 0, u)
+    sign, u, nan = _unpack(x)
     top, s, d = _decompose(u, man_bits, emin_b)
     d = torch.clamp(d, max=25)             # d >= 25 rounds every significand (< 2**24) to 0
     half = (1 << d) >> 1
     odd = (s >> d) & torch.clamp(half, max=1)   # the last kept bit, for ties (none when d = 0)
     q = ((s + (half - 1 + odd).clamp(min=0)) >> d) << d
-    out = torch.where(q == 0, 0, top + q)
-    out = torch.where(out > max_bits, over_bits, out)
-    out = torch.where(nan, _NAN_BITS, out)
-    return (out | sign).view(torch.float32)
+    return _repack(torch.where(q == 0, 0, top + q), sign, nan, max_bits, over_bits)
 
 
 def sr_fp32(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -184,11 +193,7 @@ def sr_fp32(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     (seed, i). Everything is int32: the position is compared with the random bits as
     ``top_j(r) < X`` with ``j = min(d, k)`` bits, X the position at j bits."""
     man_bits, emin_b, k, max_bits, over_bits, tiny_bits, s1, s2, first = (p[i] for i in range(9))
-    bits = x.view(torch.int32)
-    sign = bits & _INT32_MIN
-    u = bits & 0x7FFFFFFF
-    nan = u > _INF_BITS
-    u = torch.where(nan, 0, u)
+    sign, u, nan = _unpack(x)
     top, s, d = _decompose(u, man_bits, emin_b)
     frac = s & ((1 << torch.clamp(d, max=25)) - 1)
     # d > k: the position rounded half to even to k bits; d <= k: exact, compared at d bits
@@ -203,10 +208,7 @@ def sr_fp32(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     move = (_top_bits(r, j) < position) & ((j < 32) | (r >= 0))
     q = (s - frac) + (move.to(torch.int32) << torch.clamp(d, max=24))
     # d >= 24: the value is below the smallest subnormal step: 0 or that step
-    out = torch.where(d >= 24, torch.where(move, tiny_bits, 0), top + q)
-    out = torch.where(out > max_bits, over_bits, out)
-    out = torch.where(nan, _NAN_BITS, out)
-    return (out | sign).view(torch.float32)
+    return _repack(torch.where(d >= 24, torch.where(move, tiny_bits, 0), top + q), sign, nan, max_bits, over_bits)
 
 
 def freeze_code_fp32(old: torch.Tensor, new: torch.Tensor, p: torch.Tensor):
