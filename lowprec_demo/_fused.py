@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import os
 import struct
+import sys
 import threading
 import time
 from typing import Dict, Optional
@@ -70,6 +71,7 @@ from .formats import FloatFormat
 
 __all__ = ["status", "set_mode", "get_mode", "compile_all", "nearest_params", "stochastic_params",
            "freeze_params", "rne_fp32", "sr_fp32", "freeze_code_fp32", "freeze_code_tagged_fp32",
+           "freeze_code_paired_fp32", "freeze_code_paired", "paired_counts",
            "equal_count_fp32", "nearest", "nearest_", "stochastic", "stochastic_", "freeze_code",
            "equal_count", "pack", "fits", "MODES", "CODE_BINS"]
 
@@ -226,6 +228,22 @@ def freeze_code_tagged_fp32(old: torch.Tensor, new: torch.Tensor, tag: torch.Ten
     return code | tag, moved
 
 
+def freeze_code_paired_fp32(old: torch.Tensor, new: torch.Tensor, p: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """:func:`_freeze_code` without the few-bit flag, written into ``out`` (uint8, one per
+    element) so that two neighbours read as one int16 (little-endian) make one
+    :func:`torch.bincount` entry: half as many entries, and consecutive entries alternate between
+    two counters where the codes repeat (a run of equal codes otherwise makes every increment wait
+    for the one before). Element ``i`` holds ``frozen | ((i >> 1) & 1) << 1 | bin << 2`` when
+    ``i`` is even and ``frozen | bin << 1`` when it is odd (below 128, so that the int16 is not
+    negative). Returns the sum of the move probabilities (float64, 0-dim)."""
+    code, moved = _freeze_code(old, new, p)
+    index = torch.arange(old.numel(), dtype=torch.int32, device=old.device)
+    frozen, bin_ = code & 1, code >> 2
+    paired = torch.where((index & 1) == 0, frozen | (index & 2) | (bin_ << 2), frozen | (bin_ << 1))
+    out.copy_(paired.to(torch.uint8))
+    return moved
+
+
 def _freeze_code(old: torch.Tensor, new: torch.Tensor, p: torch.Tensor):
     """The freeze statistics of the update ``new - old`` (float32) for the format ``p``
     (int32, :func:`freeze_params`) describes, as :class:`lowprec_demo.prediction.FreezePredictor`
@@ -312,6 +330,18 @@ def _freeze_eager(fn, old: torch.Tensor, new: torch.Tensor, *rest):
     if not codes:
         return fn(old, new, *rest)
     return torch.cat(codes), moved
+
+
+def _paired_eager(old: torch.Tensor, new: torch.Tensor, p: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """:func:`freeze_code_paired_fp32` run eagerly slice by slice, the move sums added (the
+    slices start at even elements, so that every element keeps its layout; which of the two
+    counters a pair goes to does not matter)."""
+    moved = None
+    for start in range(0, old.numel(), EAGER_CHUNK):
+        piece = slice(start, start + EAGER_CHUNK)
+        m = freeze_code_paired_fp32(old[piece], new[piece], p, out[piece])
+        moved = m if moved is None else moved + m
+    return moved
 
 
 def _rne_fp32_(x: torch.Tensor, p: torch.Tensor) -> None:
@@ -402,6 +432,7 @@ _KERNELS = {
     "stochastic_": _Kernel(_sr_fp32_, "stochastic_"),
     "freeze": _Kernel(freeze_code_fp32, "freeze"),
     "freeze_tagged": _Kernel(freeze_code_tagged_fp32, "freeze_tagged"),
+    "freeze_paired": _Kernel(freeze_code_paired_fp32, "freeze_paired"),
     "equal_count": _Kernel(equal_count_fp32, "equal_count"),
 }
 
@@ -510,6 +541,25 @@ def freeze_code(old: torch.Tensor, new: torch.Tensor, fmt: FloatFormat, rand_bit
                                      eager=lambda: _freeze_eager(freeze_code_tagged_fp32, old, new, tag, p))
 
 
+def freeze_code_paired(old: torch.Tensor, new: torch.Tensor, fmt: FloatFormat, out: torch.Tensor) -> torch.Tensor:
+    """:func:`freeze_code_paired_fp32` of two flat float32 tensors of an even number of
+    elements into ``out``; returns the move sum (no few-bit prediction: k = 0)."""
+    p = _cached_params("freeze", fmt, None, None, old.device)
+    return _KERNELS["freeze_paired"](old, new, p, out, eager=lambda: _paired_eager(old, new, p, out))
+
+
+PAIRED_BINCOUNT = sys.byteorder == "little"   # two uint8 codes read as one int16
+
+
+def paired_counts(out: torch.Tensor) -> tuple:
+    """The frozen count (int64, 0-dim) and the histogram of the 64 bin values (int64) of codes
+    written by :func:`freeze_code_paired`, from one bincount of their int16 pairs."""
+    counts = torch.bincount(out.view(torch.int16), minlength=1 << 15).view(64, 2, 64, 2, 2)
+    # dimensions: bin and frozen of the odd element, bin, lane and frozen of the even one
+    frozen = counts[:, 1].sum() + counts[..., 1].sum()
+    return frozen, counts.sum((1, 2, 3, 4)) + counts.sum((0, 1, 3, 4))
+
+
 SMALL_NUMEL = 1 << 16      # tensors below this size are packed together, one kernel call each pack
 PACK_NUMEL = 1 << 20       # the most elements in one pack
 PACK_TENSORS = 256         # the most tensors in one pack
@@ -557,6 +607,7 @@ def compile_all(device="cpu") -> dict:
         stochastic_(x.clone(), fmt, "inf", None, 1)
         freeze_code(x, x + 1e-3, fmt, None)
         freeze_code(x, x + 1e-3, fmt, None, torch.zeros(4096, dtype=torch.int32, device=device))
+        freeze_code_paired(x, x + 1e-3, fmt, torch.empty(4096, dtype=torch.uint8, device=device))
         equal_count(x, x + 1e-3)
         if x.device.type == "cuda":
             torch.cuda.synchronize()

@@ -167,6 +167,14 @@ class _Pack:
         self.tags = None if len(names) == 1 else torch.repeat_interleave(
             torch.arange(len(names), dtype=torch.int32, device=self.buffer.device) << 8,
             torch.tensor(self.sizes, device=self.buffer.device))
+        self._codes: Optional[torch.Tensor] = None
+
+    def codes(self) -> torch.Tensor:
+        """A uint8 buffer of one code per element, kept for the next steps (allocated when first
+        asked for: a fresh allocation of this size costs more than filling it)."""
+        if self._codes is None:
+            self._codes = torch.empty(self.buffer.numel(), dtype=torch.uint8, device=self.buffer.device)
+        return self._codes
 
     def counts(self, flags: torch.Tensor) -> torch.Tensor:
         """How many elements of each tensor have ``flags`` (flat, 0 or 1) set, as int64."""
@@ -351,33 +359,44 @@ class FreezePredictor(_StepTracker):
         rec.ratio_histogram = [a + b for a, b in zip(rec.ratio_histogram, hist)]
 
     def _after_step_packed(self, packed) -> None:
-        """All formats from the fused kernel: one pass over each pack per format, which returns
-        one byte per element (frozen, few-bit frozen, ratio bin) and the sum of the move
-        probabilities; the counts come from bincounts, and everything reaches Python in one
-        transfer."""
+        """All formats from the fused kernels: one pass over each pack per format, which writes
+        one byte per element (frozen, ratio bin and, for packs of several tensors or with a
+        few-bit prediction, the tensor and the few-bit flag: then wider) and returns the sum of
+        the move probabilities; the counts come from one bincount per pack, and everything
+        reaches Python in one transfer. A pack of one tensor without few-bit prediction takes
+        :func:`lowprec_demo._fused.freeze_code_paired` (two codes per bincount entry)."""
         current = [(pack, pack.flat(now)) for pack, now in packed]
         names = [(name, n) for pack, _ in packed for name, n in zip(pack.names, pack.sizes)]
         bins = len(RATIO_BINS) + 1
         rows = []
         for fmt in self.formats:
-            per_tensor, joint, moved = [], None, None
+            per_tensor, hist, moved, fewbit = [], None, None, None
             for pack, new in current:
-                # one bincount: frozen, few-bit and bin jointly, per tensor of the pack
-                code, moved_sum = _fused.freeze_code(pack.buffer, new, fmt, self.rand_bits, pack.tags)
-                counts = torch.bincount(code, minlength=256 * len(pack.names)).view(-1, 256)
-                per_tensor.append(counts.view(-1, 128, 2)[:, :, 1].sum(1))
-                counts = counts.sum(0)
-                joint = counts if joint is None else joint + counts
+                if len(pack.names) == 1 and self.rand_bits is None and pack.buffer.numel() % 2 == 0 \
+                        and _fused.PAIRED_BINCOUNT:
+                    moved_sum = _fused.freeze_code_paired(pack.buffer, new, fmt, pack.codes())
+                    frozen, counts = _fused.paired_counts(pack.codes())
+                    per_tensor.append(frozen.reshape(1))
+                else:
+                    # one bincount: frozen, few-bit and bin jointly, per tensor of the pack
+                    code, moved_sum = _fused.freeze_code(pack.buffer, new, fmt, self.rand_bits, pack.tags)
+                    joint = torch.bincount(code, minlength=256 * len(pack.names)).view(-1, 256)
+                    per_tensor.append(joint.view(-1, 128, 2)[:, :, 1].sum(1))
+                    by_code = joint.sum(0).view(64, 4)
+                    counts = by_code.sum(1)
+                    few = by_code[:, 2:].sum()
+                    fewbit = few if fewbit is None else fewbit + few
+                hist = counts if hist is None else hist + counts
                 moved = moved_sum if moved is None else moved + moved_sum
-            by_code = joint.view(64, 4).to(torch.float64)
-            summary = torch.stack([moved.to(torch.float64).cpu(), by_code[:, 2:].sum().cpu()])
-            rows.append(torch.cat([torch.cat(per_tensor).cpu().to(torch.float64), summary,
-                                   by_code.sum(1)[:bins].cpu()]))
-        values = torch.stack(rows).tolist()
-        k = len(names)
-        for fmt, row in zip(self.formats, values):
+            few = torch.zeros_like(hist[0]) if fewbit is None else fewbit
+            rows.append(torch.cat([torch.cat(per_tensor), few.reshape(1), hist[:bins]]).to(torch.float64))
+            rows.append(moved.to(torch.float64).reshape(1))
+        values = torch.cat(rows).tolist()           # one transfer
+        k, width = len(names), len(names) + 2 + bins
+        for i, fmt in enumerate(self.formats):
+            row = values[i * width:(i + 1) * width]
             per_tensor = [(name, int(f), n) for (name, n), f in zip(names, row[:k])]
-            self._add(self.records[fmt.name], per_tensor, row[k], row[k + 1], [int(c) for c in row[k + 2:]])
+            self._add(self.records[fmt.name], per_tensor, row[-1], row[k], [int(c) for c in row[k + 1:k + 1 + bins]])
 
     def _after_step_by_tensor(self) -> None:
         """Tensor by tensor with the public freeze functions (float64 or narrow tensors,

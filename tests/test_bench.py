@@ -220,6 +220,20 @@ def test_freeze_code_is_the_freeze_rule(compiled, key):
         tag = (torch.arange(len(old), dtype=torch.int32) % 3) << 8
         tagged, _ = compiled["freeze_tagged"](old, new, tag, p)
         assert torch.equal(tagged, code.to(torch.int32) | tag)
+        paired, eager_paired = torch.empty_like(code), torch.empty_like(code)
+        paired_moved = compiled["freeze_paired"](old, new, p, paired)
+        eager_paired_moved = _fused.freeze_code_paired_fp32(old, new, p, eager_paired)
+        assert torch.equal(paired, eager_paired)
+        for got, want in ((paired_moved, moved), (eager_paired_moved, eager_moved)):
+            assert torch.allclose(got, want, rtol=0, atol=0, equal_nan=True)
+        i = torch.arange(len(code))
+        frozen, bins = code & 1, code >> 2
+        assert torch.equal(paired[0::2], frozen[0::2] | ((i[0::2] & 2) | (bins[0::2].long() << 2)).to(torch.uint8))
+        assert torch.equal(paired[1::2], frozen[1::2] | (bins[1::2] << 1))
+        n = len(code) // 2 * 2
+        counted_frozen, hist = _fused.paired_counts(paired[:n])
+        assert counted_frozen.item() == frozen[:n].sum().item()
+        assert torch.equal(hist, torch.bincount(bins[:n], minlength=64))
         assert torch.equal((code & 1).bool(), frozen)
         if k is not None:
             fewbit = torch.round(ratio.clamp(max=1.0) * 2.0**k) == 0
@@ -258,10 +272,12 @@ def _run_trackers(trackers, tensors, steps=4):
 
 
 @pytest.mark.parametrize("mode", ["off", "on"])
-def test_packed_predictor_matches_the_tensor_by_tensor_path(mode):
+@pytest.mark.parametrize("rand_bits", [3, None])
+def test_packed_predictor_matches_the_tensor_by_tensor_path(mode, rand_bits):
     tensors = _tracked_tensors()
     formats = ["bf16", "e4m3", "e5m3", "e2m1"]
-    packed, by_tensor = FreezePredictor(tensors, formats, rand_bits=3), FreezePredictor(tensors, formats, rand_bits=3)
+    packed = FreezePredictor(tensors, formats, rand_bits=rand_bits)
+    by_tensor = FreezePredictor(tensors, formats, rand_bits=rand_bits)
     by_tensor._after_step_packed = lambda packed: by_tensor._after_step_by_tensor()
     exact_hist = {f: np.zeros(len(RATIO_BINS) + 1, dtype=np.int64) for f in formats}
 
