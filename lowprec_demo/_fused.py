@@ -236,7 +236,7 @@ def freeze_code_paired_fp32(old: torch.Tensor, new: torch.Tensor, p: torch.Tenso
     for the one before). Element ``i`` holds ``frozen | ((i >> 1) & 1) << 1 | bin << 2`` when
     ``i`` is even and ``frozen | bin << 1`` when it is odd (below 128, so that the int16 is not
     negative). Returns the sum of the move probabilities (float64, 0-dim)."""
-    code, moved = _freeze_code(old, new, p)
+    code, moved = _freeze_code(old, new, p, fewbit=False)
     index = torch.arange(old.numel(), dtype=torch.int32, device=old.device)
     frozen, bin_ = code & 1, code >> 2
     paired = torch.where((index & 1) == 0, frozen | (index & 2) | (bin_ << 2), frozen | (bin_ << 1))
@@ -244,30 +244,54 @@ def freeze_code_paired_fp32(old: torch.Tensor, new: torch.Tensor, p: torch.Tenso
     return moved
 
 
-def _freeze_code(old: torch.Tensor, new: torch.Tensor, p: torch.Tensor):
+def _rne_magnitude(u: torch.Tensor, man_bits, emin_b, max_bits, over_bits) -> torch.Tensor:
+    """Round to nearest even of non-negative float32 bit patterns ``u`` (at most those of
+    infinity) onto the grid, beyond the format's max the overflow value: the magnitude that
+    :func:`rne_fp32` computes, in fewer operations. From the smallest normal of the format up,
+    the spacing is ``2**sh`` units of the pattern (``sh = 23 - m``): add half of it less one
+    plus the last kept bit (of the significand with its leading one), clear the low bits, and
+    a carry runs into the exponent. Below it the spacing is one number ``2**(e_min - m)``: the
+    float32 sum ``a + 2**(e_min - m + 23)`` lies in the binade whose spacing that is (``a``
+    is below ``2**e_min``, and ``m <= 23``), so the addition rounds ``a`` to the grid, to even,
+    and subtracting the constant again is exact."""
+    sh = 23 - man_bits
+    half = (1 << sh) >> 1
+    bias_base, lsb_mask = torch.clamp(half - 1, min=0), torch.clamp(half, max=1)   # 0 and 0 when sh = 0
+    normal = (u + bias_base + (((u | 0x800000) >> sh) & lsb_mask)) & -(1 << sh)
+    c = ((emin_b + sh) << 23).view(torch.float32)
+    small = ((u.view(torch.float32) + c) - c).view(torch.int32)
+    out = torch.where((u >> 23) < emin_b, small, normal)
+    return torch.where(out > max_bits, over_bits, out)
+
+
+def _freeze_code(old: torch.Tensor, new: torch.Tensor, p: torch.Tensor, fewbit: bool = True):
     """The freeze statistics of the update ``new - old`` (float32) for the format ``p``
     (int32, :func:`freeze_params`) describes, as :class:`lowprec_demo.prediction.FreezePredictor`
     defines them: the stored weight is ``w = q(old)`` (round to nearest) and ``d = new - old``.
 
     Returns ``(code, moved)``: ``code`` (int32, one per element, below 256) holds in bit 0 whether the
     element freezes (:func:`lowprec_demo.rounding.would_freeze`), in bit 1 whether ``|d|/gap``
-    is at most ``2**-(k+1)`` (few-bit SR never moves it) and in bits 2-7 the bin of
-    ``log2(|d|/gap)`` (0..33, as ``bucketize`` with edges -24..8; ratio 0 in bin 0; 63 for NaN);
-    ``moved`` (float64, 0-dim) is the sum of the move probabilities ``min(1, |d|/gap)``, with k
-    random bits resolved to k bits as :func:`lowprec_demo.rounding.move_probability` does.
+    is at most ``2**-(k+1)`` (few-bit SR never moves it; 0 with ``fewbit=False``) and in bits
+    2-7 the bin of ``log2(|d|/gap)`` (0..33, as ``bucketize`` with edges -24..8; ratio 0 in bin
+    0; 63 for NaN); ``moved`` (float64, 0-dim) is the sum of the move probabilities
+    ``min(1, |d|/gap)``, with k random bits resolved to k bits as
+    :func:`lowprec_demo.rounding.move_probability` does (``fewbit=False``: full resolution).
 
     Everything is decided on bit patterns: NaN and infinity (``torch.isnan`` and friends
     compile to a loop over lanes on the CPU), signs, and the freeze rule itself, read off the
-    exactly computed ratio ``|d|/gap`` (below 1/2, or 1/2 at an even multiple of the gap)."""
+    exactly computed ratio ``|d|/gap`` (below 1/2, or 1/2 at an even multiple of the gap).
+    ``w`` is needed as its magnitude only (its sign is that of ``old``), and not at all when
+    ``old`` is NaN (then ``d`` is NaN, and a NaN update never freezes)."""
     man_bits, emin_b, sat_bits, fewbit_bits = p[0], p[1], p[4], p[5]
-    w = rne_fp32(old, p[:4])
+    ob = old.view(torch.int32)
+    wu = _rne_magnitude(torch.clamp(ob & 0x7FFFFFFF, max=_INF_BITS), man_bits, emin_b, p[2], p[3])
     d = new - old
-    wb, db = w.view(torch.int32), d.view(torch.int32)
-    wu, du = wb & 0x7FFFFFFF, db & 0x7FFFFFFF
-    opposite = (wb ^ db) < 0                # the signs differ (NaN w or d is settled below)
+    db = d.view(torch.int32)
+    du = db & 0x7FFFFFFF
+    opposite = (ob ^ db) < 0                # w and d point different ways (w has old's sign)
     # the gap on d's side of w (lowprec_demo.rounding._side_gap): toward zero from a power of two
-    # (inf included) the grid below is twice as fine
-    inward = (du != 0) & (wu != 0) & opposite & ((wu & 0x7FFFFF) == 0)
+    # (inf included) the grid below is twice as fine. (A zero d needs no gap: its ratio is 0.)
+    inward = opposite & ((wu & 0x7FFFFF) == 0) & (wu != 0)
     ew = wu >> 23
     gap_exp = torch.clamp(ew - inward.to(torch.int32), min=emin_b) - man_bits   # biased exponent of the gap
     # |d| / gap by multiplication with 2**-g, split in two normal factors when 2**-g is beyond
@@ -284,14 +308,16 @@ def _freeze_code(old: torch.Tensor, new: torch.Tensor, p: torch.Tensor):
     t = gap_exp + 23 - e1                   # |w| / gap = (significand of w) * 2**-t
     odd = (t >= 0) & ((((wu - ((e1 - 1) << 23)) >> torch.clamp(t, min=0, max=31)) & 1) != 0)
     frozen = (rb < _HALF_BITS) | ((rb == _HALF_BITS) & ~odd & (wu != _INF_BITS))
-    frozen = frozen | ((wu == sat_bits) & (du != 0) & ~opposite)           # saturated max, outward
-    frozen = frozen | ((wu == _INF_BITS) & ((du < _INF_BITS) | (db == wb)))  # inf: finite or same inf
-    frozen = frozen & (wu <= _INF_BITS) & (du <= _INF_BITS)                # NaN never
+    frozen = frozen | ((wu == sat_bits) & ~opposite)                        # saturated max, outward
+    frozen = frozen | ((wu == _INF_BITS) & ((du < _INF_BITS) | ~opposite))  # inf: finite or the same inf
+    frozen = frozen & (du <= _INF_BITS)                                     # NaN never
     # log2(ratio) rounded up, + 24: the bin of bucketize(log2 ratio, -24..8)
     bin_ = torch.clamp((rb >> 23) - 103 + ((rb & 0x7FFFFF) != 0).to(torch.int32), min=0, max=CODE_BINS - 1)
     bin_ = torch.where(rb > _INF_BITS, _NO_BIN, bin_)
-    code = frozen.to(torch.int32) | ((rb <= fewbit_bits).to(torch.int32) << 1) | (bin_ << 2)
     probability = torch.clamp(ratio, max=1.0)
+    if not fewbit:
+        return frozen.to(torch.int32) | (bin_ << 2), probability.to(torch.float64).sum()
+    code = frozen.to(torch.int32) | ((rb <= fewbit_bits).to(torch.int32) << 1) | (bin_ << 2)
     k = p[6]                                # 2**k and 2**-k as bit patterns (k <= 32)
     resolved = torch.round(probability * ((k + 127) << 23).view(torch.float32)) * ((127 - k) << 23).view(torch.float32)
     probability = torch.where(k > 0, resolved, probability)

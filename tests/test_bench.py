@@ -95,6 +95,23 @@ def test_compiled_nearest_on_random_inputs(compiled, key):
         assert same_bits(compiled["nearest"](x, p), TR.generic_nearest(x, fmt, policy)), policy
 
 
+@pytest.mark.parametrize("key", list(ROUND_FORMATS))
+def test_the_freeze_kernels_rounding_is_the_nearest_kernels(key):
+    """The freeze kernel rounds ``old`` with its own shorter formula: its magnitudes are those of
+    rne_fp32 on the exhaustive points (where there are some) and random inputs, every policy."""
+    fmt = ROUND_FORMATS[key]
+    xs = [sample_fp32(fmt, sum(map(ord, key)) + 1)]
+    if key in TR.EXHAUSTIVE:
+        xs.append(torch.from_numpy(TR.exhaustive_points(key).astype(np.float32)))
+    for x in xs:
+        x = x[~x.isnan()]
+        u = torch.clamp(x.view(torch.int32) & 0x7FFFFFFF, max=0x7F800000)
+        for policy in TR.policies(fmt):
+            p = torch.tensor(_fused.nearest_params(fmt, policy), dtype=torch.int32)
+            want = _fused.rne_fp32(x, p).view(torch.int32) & 0x7FFFFFFF
+            assert torch.equal(_fused._rne_magnitude(u, p[0], p[1], p[2], p[3]), want), policy
+
+
 def test_quantize_takes_the_compiled_path_in_every_mode_alike():
     """Whatever the mode, quantize returns the same bits (nearest and SR, float8 included)."""
     x = sample_fp32(get_format("e4m3"), 3)
