@@ -36,7 +36,12 @@ Freeze statistics (``freeze_code_fp32``)
     For a reference update ``new - old``: the freeze rule of
     :func:`lowprec_demo.rounding.would_freeze`, the SR move probability ``min(1, |d|/gap)``, the
     few-bit freeze, and the bin of ``log2(|d|/gap)``, packed into one byte per element, and the sum
-    of the move probabilities.
+    of the move probabilities. The stored weight ``q(old)`` is rounded by a shorter formula than
+    ``rne_fp32``'s (:func:`_rne_magnitude`; the tests hold the two to the same bits). The counts
+    come from :func:`torch.bincount` of the bytes, which stalls when long runs of elements share
+    a code (each increment waits for the one before): ``freeze_code_paired_fp32`` lays the bytes
+    out so that two neighbours read as one int16 entry and consecutive entries alternate between
+    two counters.
 
 When is the compiled version used?
     ``LOWPREC_FUSED`` (environment) or :func:`set_mode`: ``"off"`` never, ``"on"`` for every
