@@ -286,7 +286,8 @@ def _freeze_code(old: torch.Tensor, new: torch.Tensor, p: torch.Tensor, fewbit: 
     compile to a loop over lanes on the CPU), signs, and the freeze rule itself, read off the
     exactly computed ratio ``|d|/gap`` (below 1/2, or 1/2 at an even multiple of the gap).
     ``w`` is needed as its magnitude only (its sign is that of ``old``), and not at all when
-    ``old`` is NaN (then ``d`` is NaN, and a NaN update never freezes)."""
+    ``old`` is NaN (then ``d`` is NaN, and a NaN update never freezes); a weight that
+    overflowed to NaN never freezes either."""
     man_bits, emin_b, sat_bits, fewbit_bits = p[0], p[1], p[4], p[5]
     ob = old.view(torch.int32)
     wu = _rne_magnitude(torch.clamp(ob & 0x7FFFFFFF, max=_INF_BITS), man_bits, emin_b, p[2], p[3])
@@ -315,7 +316,7 @@ def _freeze_code(old: torch.Tensor, new: torch.Tensor, p: torch.Tensor, fewbit: 
     frozen = (rb < _HALF_BITS) | ((rb == _HALF_BITS) & ~odd & (wu != _INF_BITS))
     frozen = frozen | ((wu == sat_bits) & ~opposite)                        # saturated max, outward
     frozen = frozen | ((wu == _INF_BITS) & ((du < _INF_BITS) | ~opposite))  # inf: finite or the same inf
-    frozen = frozen & (du <= _INF_BITS)                                     # NaN never
+    frozen = frozen & (torch.maximum(wu, du) <= _INF_BITS)                 # NaN never (w: "nan" overflow)
     # log2(ratio) rounded up, + 24: the bin of bucketize(log2 ratio, -24..8)
     bin_ = torch.clamp((rb >> 23) - 103 + ((rb & 0x7FFFFF) != 0).to(torch.int32), min=0, max=CODE_BINS - 1)
     bin_ = torch.where(rb > _INF_BITS, _NO_BIN, bin_)

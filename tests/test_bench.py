@@ -264,6 +264,32 @@ def test_freeze_code_is_the_freeze_rule(compiled, key):
             assert (got.isnan() and want.isnan()) or math.isclose(got.item(), want.item(), rel_tol=1e-9)
 
 
+@pytest.mark.parametrize("key", ["e4m3", "e5m2", "fp16", "e3m2", "e2m0"])
+def test_freeze_code_under_every_overflow_policy(compiled, key):
+    """Weights stored as the max, inf or NaN after an overflow: the freeze codes and move sums
+    follow would_freeze and update_ulp_ratio under each policy the format allows (a NaN
+    weight never freezes)."""
+    old, new = freeze_cases(key)
+    big = torch.tensor([1e30, -1e30, 7e4, -7e4, 500.0, 480.0, 464.0, 65520.0, 3.0e38], dtype=torch.float32)
+    old = torch.cat([old, big, big])
+    new = torch.cat([new, big * 1.5, big * 0.5])
+    for policy in TR.policies(TR.FREEZE_FORMATS[key]):
+        fmt = TR.FREEZE_FORMATS[key].with_overflow(policy)
+        stored, update = quantize(old, fmt), new - old
+        frozen, ratio = would_freeze(stored, update, fmt), update_ulp_ratio(stored, update, fmt)
+        p = torch.tensor(_fused.freeze_params(fmt, None), dtype=torch.int32)
+        code, moved = compiled["freeze"](old, new, p)
+        eager_code, _ = _fused.freeze_code_fp32(old, new, p)
+        paired = torch.empty_like(code)
+        compiled["freeze_paired"](old, new, p, paired)
+        assert torch.equal(code, eager_code), policy
+        assert torch.equal((code & 1).bool(), frozen), policy
+        assert torch.equal((code >> 2).to(torch.int64), exact_bins(ratio)), policy
+        assert torch.equal(paired[1::2] & 1, code[1::2] & 1) and torch.equal(paired[1::2] >> 1, code[1::2] >> 2)
+        want = ratio.clamp(max=1.0).double().sum()
+        assert (moved.isnan() and want.isnan()) or math.isclose(moved.item(), want.item(), rel_tol=1e-9)
+
+
 def test_equal_count_is_torch_eq(compiled):
     a = torch.tensor([0.0, -0.0, math.nan, math.inf, -math.inf, 1.0, 2.0, math.inf] * 1000)
     b = torch.tensor([-0.0, 0.0, math.nan, math.inf, math.inf, 1.0, 2.5, 3.0] * 1000)
