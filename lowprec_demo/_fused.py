@@ -76,7 +76,7 @@ from .formats import FloatFormat
 
 __all__ = ["status", "set_mode", "get_mode", "compile_all", "nearest_params", "stochastic_params",
            "freeze_params", "rne_fp32", "sr_fp32", "freeze_code_fp32", "freeze_code_tagged_fp32",
-           "freeze_code_paired_fp32", "freeze_code_paired", "paired_counts",
+           "freeze_code_paired_fp32", "freeze_code_paired_m0_fp32", "freeze_code_paired", "paired_counts",
            "equal_count_fp32", "nearest", "nearest_", "stochastic", "stochastic_", "freeze_code",
            "equal_count", "pack", "fits", "MODES", "CODE_BINS"]
 
@@ -122,13 +122,15 @@ def stochastic_params(fmt: FloatFormat, policy: str, rand_bits: Optional[int], s
 
 
 def freeze_params(fmt: FloatFormat, rand_bits: Optional[int]) -> list:
-    """``[m, e_min + 127, bits of max, overflow bits, bits of max if the format saturates else
-    -1, bits of 2**-(k+1), k]`` for :func:`freeze_code_fp32` (the format's own overflow policy;
-    k = 0 when there is no few-bit prediction)."""
+    """``[m, e_min + 127, bits of max, overflow bits, stuck bits, bits of 2**-(k+1), k, stuck
+    limit]`` for :func:`freeze_code_fp32` (the format's own overflow policy; k = 0 when there is
+    no few-bit prediction). The stuck weight is the one every outward update leaves in place:
+    the max where the format saturates, inf where it overflows to inf (-1: none, as with NaN);
+    the stuck limit is the bits of inf where any finite update leaves it in place (inf), else 0."""
     k = 0 if rand_bits is None else rand_bits
-    saturating_max = _f32_bits(fmt.max) if fmt.overflow == "saturate" else -1
+    stuck = {"saturate": _f32_bits(fmt.max), "inf": _INF_BITS, "nan": -1}[fmt.overflow]
     return [fmt.man_bits, fmt.e_min + 127, _f32_bits(fmt.max), _overflow_bits(fmt, fmt.overflow),
-            saturating_max, (127 - k - 1) << 23, k]
+            stuck, (127 - k - 1) << 23, k, _INF_BITS if fmt.overflow == "inf" else 0]
 
 
 def _seed_words(seed: int, stream: int) -> tuple:
@@ -234,14 +236,24 @@ def freeze_code_tagged_fp32(old: torch.Tensor, new: torch.Tensor, tag: torch.Ten
 
 
 def freeze_code_paired_fp32(old: torch.Tensor, new: torch.Tensor, p: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """:func:`_freeze_code` without the few-bit flag, written into ``out`` (uint8, one per
-    element) so that two neighbours read as one int16 (little-endian) make one
-    :func:`torch.bincount` entry: half as many entries, and consecutive entries alternate between
-    two counters where the codes repeat (a run of equal codes otherwise makes every increment wait
-    for the one before). Element ``i`` holds ``frozen | ((i >> 1) & 1) << 1 | bin << 2`` when
-    ``i`` is even and ``frozen | bin << 1`` when it is odd (below 128, so that the int16 is not
-    negative). Returns the sum of the move probabilities (float64, 0-dim)."""
-    code, moved = _freeze_code(old, new, p, fewbit=False)
+    """:func:`_freeze_code` without the few-bit flag, for formats with mantissa bits, written
+    into ``out`` (uint8, one per element) so that two neighbours read as one int16
+    (little-endian) make one :func:`torch.bincount` entry: half as many entries, and consecutive
+    entries alternate between two counters where the codes repeat (a run of equal codes
+    otherwise makes every increment wait for the one before). Element ``i`` holds
+    ``frozen | ((i >> 1) & 1) << 1 | bin << 2`` when ``i`` is even and ``frozen | bin << 1``
+    when it is odd (below 128, so that the int16 is not negative). Returns the sum of the move
+    probabilities (float64, 0-dim)."""
+    return _paired(old, new, p, out, infinite_gap=False)
+
+
+def freeze_code_paired_m0_fp32(old: torch.Tensor, new: torch.Tensor, p: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """:func:`freeze_code_paired_fp32` for formats without mantissa bits (an infinite gap at inf)."""
+    return _paired(old, new, p, out, infinite_gap=True)
+
+
+def _paired(old, new, p, out, infinite_gap: bool) -> torch.Tensor:
+    code, moved = _freeze_code(old, new, p, fewbit=False, infinite_gap=infinite_gap)
     index = torch.arange(old.numel(), dtype=torch.int32, device=old.device)
     frozen, bin_ = code & 1, code >> 2
     paired = torch.where((index & 1) == 0, frozen | (index & 2) | (bin_ << 2), frozen | (bin_ << 1))
@@ -269,7 +281,8 @@ def _rne_magnitude(u: torch.Tensor, man_bits, emin_b, max_bits, over_bits) -> to
     return torch.where(out > max_bits, over_bits, out)
 
 
-def _freeze_code(old: torch.Tensor, new: torch.Tensor, p: torch.Tensor, fewbit: bool = True):
+def _freeze_code(old: torch.Tensor, new: torch.Tensor, p: torch.Tensor, fewbit: bool = True,
+                 infinite_gap: bool = True):
     """The freeze statistics of the update ``new - old`` (float32) for the format ``p``
     (int32, :func:`freeze_params`) describes, as :class:`lowprec_demo.prediction.FreezePredictor`
     defines them: the stored weight is ``w = q(old)`` (round to nearest) and ``d = new - old``.
@@ -281,6 +294,8 @@ def _freeze_code(old: torch.Tensor, new: torch.Tensor, p: torch.Tensor, fewbit: 
     0; 63 for NaN); ``moved`` (float64, 0-dim) is the sum of the move probabilities
     ``min(1, |d|/gap)``, with k random bits resolved to k bits as
     :func:`lowprec_demo.rounding.move_probability` does (``fewbit=False``: full resolution).
+    ``infinite_gap=False`` leaves out the gap at inf of a format without mantissa bits (the
+    only infinite gap): for formats with m >= 1.
 
     Everything is decided on bit patterns: NaN and infinity (``torch.isnan`` and friends
     compile to a loop over lanes on the CPU), signs, and the freeze rule itself, read off the
@@ -288,7 +303,7 @@ def _freeze_code(old: torch.Tensor, new: torch.Tensor, p: torch.Tensor, fewbit: 
     ``w`` is needed as its magnitude only (its sign is that of ``old``), and not at all when
     ``old`` is NaN (then ``d`` is NaN, and a NaN update never freezes); a weight that
     overflowed to NaN never freezes either."""
-    man_bits, emin_b, sat_bits, fewbit_bits = p[0], p[1], p[4], p[5]
+    man_bits, emin_b, stuck_bits, fewbit_bits, stuck_limit = p[0], p[1], p[4], p[5], p[7]
     ob = old.view(torch.int32)
     wu = _rne_magnitude(torch.clamp(ob & 0x7FFFFFFF, max=_INF_BITS), man_bits, emin_b, p[2], p[3])
     d = new - old
@@ -307,18 +322,20 @@ def _freeze_code(old: torch.Tensor, new: torch.Tensor, p: torch.Tensor, fewbit: 
     neg_g = 127 - gap_exp                   # -128..149
     first = torch.clamp(neg_g, min=-126, max=127)
     ratio = d.abs() * ((first + 127) << 23).view(torch.float32) * ((neg_g - first + 127) << 23).view(torch.float32)
-    ratio = torch.where(gap_exp >= 255, torch.where(du < _INF_BITS, 0.0, float("nan")), ratio)
+    if infinite_gap:
+        ratio = torch.where(gap_exp >= 255, torch.where(du < _INF_BITS, 0.0, float("nan")), ratio)
     rb = ratio.view(torch.int32)
     # would_freeze: |d| below half a gap, or exactly half with w an even multiple of the gap
     e1 = torch.clamp(ew, min=1)
     t = gap_exp + 23 - e1                   # |w| / gap = (significand of w) * 2**-t
     odd = (t >= 0) & ((((wu - ((e1 - 1) << 23)) >> torch.clamp(t, min=0, max=31)) & 1) != 0)
-    frozen = (rb < _HALF_BITS) | ((rb == _HALF_BITS) & ~odd & (wu != _INF_BITS))
-    frozen = frozen | ((wu == sat_bits) & ~opposite)                        # saturated max, outward
-    frozen = frozen | ((wu == _INF_BITS) & ((du < _INF_BITS) | ~opposite))  # inf: finite or the same inf
+    frozen = (rb < _HALF_BITS) | ((rb == _HALF_BITS) & ~odd)
+    # the stuck weight (saturated max, or inf) stays under an outward update; inf under any finite one
+    frozen = frozen | ((wu == stuck_bits) & (~opposite | (du < stuck_limit)))
     frozen = frozen & (torch.maximum(wu, du) <= _INF_BITS)                 # NaN never (w: "nan" overflow)
-    # log2(ratio) rounded up, + 24: the bin of bucketize(log2 ratio, -24..8)
-    bin_ = torch.clamp((rb >> 23) - 103 + ((rb & 0x7FFFFF) != 0).to(torch.int32), min=0, max=CODE_BINS - 1)
+    # log2(ratio) rounded up (a nonzero mantissa carries into the exponent), + 24: the bin of
+    # bucketize(log2 ratio, -24..8)
+    bin_ = torch.clamp(((rb + 0x7FFFFF) >> 23) - 103, min=0, max=CODE_BINS - 1)
     bin_ = torch.where(rb > _INF_BITS, _NO_BIN, bin_)
     probability = torch.clamp(ratio, max=1.0)
     if not fewbit:
@@ -364,14 +381,14 @@ def _freeze_eager(fn, old: torch.Tensor, new: torch.Tensor, *rest):
     return torch.cat(codes), moved
 
 
-def _paired_eager(old: torch.Tensor, new: torch.Tensor, p: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """:func:`freeze_code_paired_fp32` run eagerly slice by slice, the move sums added (the
-    slices start at even elements, so that every element keeps its layout; which of the two
-    counters a pair goes to does not matter)."""
+def _paired_eager(fn, old: torch.Tensor, new: torch.Tensor, p: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """A paired freeze kernel run eagerly slice by slice, the move sums added (the slices start
+    at even elements, so that every element keeps its layout; which of the two counters a pair
+    goes to does not matter)."""
     moved = None
     for start in range(0, old.numel(), EAGER_CHUNK):
         piece = slice(start, start + EAGER_CHUNK)
-        m = freeze_code_paired_fp32(old[piece], new[piece], p, out[piece])
+        m = fn(old[piece], new[piece], p, out[piece])
         moved = m if moved is None else moved + m
     return moved
 
@@ -465,6 +482,7 @@ _KERNELS = {
     "freeze": _Kernel(freeze_code_fp32, "freeze"),
     "freeze_tagged": _Kernel(freeze_code_tagged_fp32, "freeze_tagged"),
     "freeze_paired": _Kernel(freeze_code_paired_fp32, "freeze_paired"),
+    "freeze_paired_m0": _Kernel(freeze_code_paired_m0_fp32, "freeze_paired_m0"),
     "equal_count": _Kernel(equal_count_fp32, "equal_count"),
 }
 
@@ -577,7 +595,8 @@ def freeze_code_paired(old: torch.Tensor, new: torch.Tensor, fmt: FloatFormat, o
     """:func:`freeze_code_paired_fp32` of two flat float32 tensors of an even number of
     elements into ``out``; returns the move sum (no few-bit prediction: k = 0)."""
     p = _cached_params("freeze", fmt, None, None, old.device)
-    return _KERNELS["freeze_paired"](old, new, p, out, eager=lambda: _paired_eager(old, new, p, out))
+    name, fn = ("freeze_paired", freeze_code_paired_fp32) if fmt.man_bits else ("freeze_paired_m0", freeze_code_paired_m0_fp32)
+    return _KERNELS[name](old, new, p, out, eager=lambda: _paired_eager(fn, old, new, p, out))
 
 
 PAIRED_BINCOUNT = sys.byteorder == "little"   # two uint8 codes read as one int16
@@ -640,6 +659,7 @@ def compile_all(device="cpu") -> dict:
         freeze_code(x, x + 1e-3, fmt, None)
         freeze_code(x, x + 1e-3, fmt, None, torch.zeros(4096, dtype=torch.int32, device=device))
         freeze_code_paired(x, x + 1e-3, fmt, torch.empty(4096, dtype=torch.uint8, device=device))
+        freeze_code_paired(x, x + 1e-3, FloatFormat(3, 0), torch.empty(4096, dtype=torch.uint8, device=device))
         equal_count(x, x + 1e-3)
         if x.device.type == "cuda":
             torch.cuda.synchronize()

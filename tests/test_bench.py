@@ -204,6 +204,13 @@ def exact_bins(ratio: torch.Tensor) -> torch.Tensor:
     return torch.where(r.isnan(), 63.0, bins).to(torch.int64)
 
 
+def paired_kernel(fmt):
+    """The paired freeze kernel for the format (its name, and its function to run eagerly)."""
+    if fmt.man_bits:
+        return "freeze_paired", _fused.freeze_code_paired_fp32
+    return "freeze_paired_m0", _fused.freeze_code_paired_m0_fp32
+
+
 def freeze_cases(key):
     """(old, new): the edge pairs of test_rounding.py (grid weights, updates at fixed fractions
     of the gap, ties, powers of two, infinities, NaN) and random pairs off the grid."""
@@ -238,8 +245,9 @@ def test_freeze_code_is_the_freeze_rule(compiled, key):
         tagged, _ = compiled["freeze_tagged"](old, new, tag, p)
         assert torch.equal(tagged, code.to(torch.int32) | tag)
         paired, eager_paired = torch.empty_like(code), torch.empty_like(code)
-        paired_moved = compiled["freeze_paired"](old, new, p, paired)
-        eager_paired_moved = _fused.freeze_code_paired_fp32(old, new, p, eager_paired)
+        name, fn = paired_kernel(fmt)
+        paired_moved = compiled[name](old, new, p, paired)
+        eager_paired_moved = fn(old, new, p, eager_paired)
         assert torch.equal(paired, eager_paired)
         for got, want in ((paired_moved, moved), (eager_paired_moved, eager_moved)):
             assert torch.allclose(got, want, rtol=0, atol=0, equal_nan=True)
@@ -281,7 +289,7 @@ def test_freeze_code_under_every_overflow_policy(compiled, key):
         code, moved = compiled["freeze"](old, new, p)
         eager_code, _ = _fused.freeze_code_fp32(old, new, p)
         paired = torch.empty_like(code)
-        compiled["freeze_paired"](old, new, p, paired)
+        compiled[paired_kernel(fmt)[0]](old, new, p, paired)
         assert torch.equal(code, eager_code), policy
         assert torch.equal((code & 1).bool(), frozen), policy
         assert torch.equal((code >> 2).to(torch.int64), exact_bins(ratio)), policy
