@@ -321,15 +321,18 @@ def _freeze_code(old: torch.Tensor, new: torch.Tensor, p: torch.Tensor, fewbit: 
     # infinite gap (m = 0 at inf) gives 0 or NaN, as the division does
     neg_g = 127 - gap_exp                   # -128..149
     first = torch.clamp(neg_g, min=-126, max=127)
-    ratio = d.abs() * ((first + 127) << 23).view(torch.float32) * ((neg_g - first + 127) << 23).view(torch.float32)
+    scale_1 = ((first + 127) << 23).view(torch.float32)
+    scale_2 = ((neg_g - first + 127) << 23).view(torch.float32)
+    ratio = d.abs() * scale_1 * scale_2
     if infinite_gap:
         ratio = torch.where(gap_exp >= 255, torch.where(du < _INF_BITS, 0.0, float("nan")), ratio)
     rb = ratio.view(torch.int32)
-    # would_freeze: |d| below half a gap, or exactly half with w an even multiple of the gap
-    e1 = torch.clamp(ew, min=1)
-    t = gap_exp + 23 - e1                   # |w| / gap = (significand of w) * 2**-t
-    odd = (t >= 0) & ((((wu - ((e1 - 1) << 23)) >> torch.clamp(t, min=0, max=31)) & 1) != 0)
-    frozen = (rb < _HALF_BITS) | ((rb == _HALF_BITS) & ~odd)
+    # would_freeze: |d| below half a gap, or exactly half with w an even multiple of the gap.
+    # |w| / gap, an integer of at most 25 bits, comes exactly from the same two factors (the
+    # first product is normal, or 0: |w| >= gap or w = 0); it is even when its half is whole.
+    # (At inf the half is inf and counts as even: a finite update leaves inf in place anyway.)
+    half_multiple = wu.view(torch.float32) * scale_1 * scale_2 * 0.5
+    frozen = (rb < _HALF_BITS) | ((rb == _HALF_BITS) & (torch.round(half_multiple) == half_multiple))
     # the stuck weight (saturated max, or inf) stays under an outward update; inf under any finite one
     frozen = frozen | ((wu == stuck_bits) & (~opposite | (du < stuck_limit)))
     frozen = frozen & (torch.maximum(wu, du) <= _INF_BITS)                 # NaN never (w: "nan" overflow)
