@@ -240,9 +240,9 @@ def freeze_code_paired_fp32(old: torch.Tensor, new: torch.Tensor, p: torch.Tenso
     into ``out`` (uint8, one per element) so that two neighbours read as one int16
     (little-endian) make one :func:`torch.bincount` entry: half as many entries, and consecutive
     entries alternate between two counters where the codes repeat (a run of equal codes
-    otherwise makes every increment wait for the one before). Element ``i`` holds
-    ``frozen | ((i >> 1) & 1) << 1 | bin << 2`` when ``i`` is even and ``frozen | bin << 1``
-    when it is odd (below 128, so that the int16 is not negative). Returns the sum of the move
+    otherwise makes every increment wait for the one before). With ``c = frozen | bin << 1``
+    (below 128), element ``i`` holds ``c << 1 | ((i >> 1) & 1)`` when ``i`` is even and ``c``
+    when it is odd, so that the int16 is not negative. Returns the sum of the move
     probabilities (float64, 0-dim)."""
     return _paired(old, new, p, out, infinite_gap=False)
 
@@ -253,11 +253,10 @@ def freeze_code_paired_m0_fp32(old: torch.Tensor, new: torch.Tensor, p: torch.Te
 
 
 def _paired(old, new, p, out, infinite_gap: bool) -> torch.Tensor:
-    code, moved = _freeze_code(old, new, p, fewbit=False, infinite_gap=infinite_gap)
+    code, moved = _freeze_code(old, new, p, fewbit=False, infinite_gap=infinite_gap)   # frozen | bin << 1
     index = torch.arange(old.numel(), dtype=torch.int32, device=old.device)
-    frozen, bin_ = code & 1, code >> 2
-    paired = torch.where((index & 1) == 0, frozen | (index & 2) | (bin_ << 2), frozen | (bin_ << 1))
-    out.copy_(paired.to(torch.uint8))
+    even = (index & 1) ^ 1
+    out.copy_(((code << even) | ((index >> 1) & even)).to(torch.uint8))
     return moved
 
 
@@ -341,8 +340,8 @@ def _freeze_code(old: torch.Tensor, new: torch.Tensor, p: torch.Tensor, fewbit: 
     bin_ = torch.clamp(((rb + 0x7FFFFF) >> 23) - 103, min=0, max=CODE_BINS - 1)
     bin_ = torch.where(rb > _INF_BITS, _NO_BIN, bin_)
     probability = torch.clamp(ratio, max=1.0)
-    if not fewbit:
-        return frozen.to(torch.int32) | (bin_ << 2), probability.to(torch.float64).sum()
+    if not fewbit:   # no few-bit flag: the bin right above the frozen bit
+        return frozen.to(torch.int32) | (bin_ << 1), probability.to(torch.float64).sum()
     code = frozen.to(torch.int32) | ((rb <= fewbit_bits).to(torch.int32) << 1) | (bin_ << 2)
     k = p[6]                                # 2**k and 2**-k as bit patterns (k <= 32)
     resolved = torch.round(probability * ((k + 127) << 23).view(torch.float32)) * ((127 - k) << 23).view(torch.float32)
@@ -609,8 +608,8 @@ def paired_counts(out: torch.Tensor) -> tuple:
     """The frozen count (int64, 0-dim) and the histogram of the 64 bin values (int64) of codes
     written by :func:`freeze_code_paired`, from one bincount of their int16 pairs."""
     counts = torch.bincount(out.view(torch.int16), minlength=1 << 15).view(64, 2, 64, 2, 2)
-    # dimensions: bin and frozen of the odd element, bin, lane and frozen of the even one
-    frozen = counts[:, 1].sum() + counts[..., 1].sum()
+    # dimensions: bin and frozen of the odd element, bin, frozen and lane of the even one
+    frozen = counts[:, 1].sum() + counts[:, :, :, 1].sum()
     return frozen, counts.sum((1, 2, 3, 4)) + counts.sum((0, 1, 3, 4))
 
 

@@ -253,7 +253,7 @@ def test_freeze_code_is_the_freeze_rule(compiled, key):
             assert torch.allclose(got, want, rtol=0, atol=0, equal_nan=True)
         i = torch.arange(len(code))
         frozen, bins = code & 1, code >> 2
-        assert torch.equal(paired[0::2], frozen[0::2] | ((i[0::2] & 2) | (bins[0::2].long() << 2)).to(torch.uint8))
+        assert torch.equal(paired[0::2], ((frozen[0::2] << 1) | ((i[0::2] >> 1) & 1) | (bins[0::2].long() << 2)).to(torch.uint8))
         assert torch.equal(paired[1::2], frozen[1::2] | (bins[1::2] << 1))
         n = len(code) // 2 * 2
         counted_frozen, hist = _fused.paired_counts(paired[:n])
