@@ -152,11 +152,6 @@ def _mix32(h: torch.Tensor) -> torch.Tensor:
     return h ^ ((h >> 16) & 0xFFFF)
 
 
-def _top_bits(r: torch.Tensor, j) -> torch.Tensor:
-    """The top ``j`` bits (0 <= j <= 31) of 32-bit patterns ``r``, as non-negative int32."""
-    return (r >> torch.clamp(32 - j, min=0, max=31)) & (0x7FFFFFFF >> torch.clamp(31 - j, min=0, max=31))
-
-
 def _decompose(u: torch.Tensor, man_bits, emin_b):
     """For non-negative float32 bit patterns ``u``: ``(E' - 1) << 23``, the integer significand
     ``S`` and the number ``d`` of its low bits below the target grid's spacing."""
@@ -199,25 +194,30 @@ def rne_fp32(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 def sr_fp32(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """Stochastic rounding of a flat float32 tensor (fewer than 2**31 elements) onto the grid
     that ``p`` (int32, :func:`stochastic_params`) describes; element i draws the hash of
-    (seed, i). Everything is int32: the position is compared with the random bits as
-    ``top_j(r) < X`` with ``j = min(d, k)`` bits, X the position at j bits."""
+    (seed, i). The value moves away from zero when the top ``j = min(d, k)`` bits of the
+    32-bit hash ``r`` are below the position in the gap resolved to j bits, ``P``: compared as
+    the unsigned 32-bit numbers ``r < P * 2**(32 - j)``, with ``P = 2**j`` (a position rounded
+    up to the whole gap) always moving."""
     man_bits, emin_b, k, max_bits, over_bits, tiny_bits, s1, s2, first = (p[i] for i in range(9))
-    sign, u, nan = _unpack(x)
+    bits = x.view(torch.int32)
+    u = bits & 0x7FFFFFFF                   # (a NaN goes through the arithmetic and is replaced)
     top, s, d = _decompose(u, man_bits, emin_b)
-    frac = s & ((1 << torch.clamp(d, max=25)) - 1)
-    # d > k: the position rounded half to even to k bits; d <= k: exact, compared at d bits
-    sh = torch.clamp(d - k, min=0, max=26)
-    half = (1 << sh) >> 1
-    odd = (frac >> sh) & torch.clamp(half, max=1)
-    position = torch.where(d > k, (frac + (half - 1 + odd).clamp(min=0)) >> sh, frac)
+    frac = s & ((1 << torch.clamp(d, max=25)) - 1)  # below 2**24: exact as a float32
     j = torch.clamp(d, max=k)
+    # P = round_half_even(frac * 2**(j - d)): frac itself when d <= k; at 2**-30 and below the
+    # product is below 1/64 and rounds to 0 either way
+    scale = ((torch.clamp(j - d, min=-30) + 127) << 23).view(torch.float32)
+    position = torch.round(frac.to(torch.float32) * scale).to(torch.int32)
     index = torch.arange(x.numel(), dtype=torch.int32, device=x.device) + first
     r = _mix32(_mix32(index ^ s1) ^ s2)
-    # (j = 32 reads the whole pattern, which is below the position only when non-negative)
-    move = (_top_bits(r, j) < position) & ((j < 32) | (r >= 0))
+    # P * 2**(32 - j) modulo 2**32 (j = 0 only with P = 0); shift counts stay below 32 (Triton
+    # leaves larger ones undefined)
+    threshold = position << torch.clamp(32 - j, max=31)
+    move = ((r ^ _INT32_MIN) < (threshold ^ _INT32_MIN)) | ((position >> torch.clamp(j, max=31)) != 0)
     q = (s - frac) + (move.to(torch.int32) << torch.clamp(d, max=24))
     # d >= 24: the value is below the smallest subnormal step: 0 or that step
-    return _repack(torch.where(d >= 24, torch.where(move, tiny_bits, 0), top + q), sign, nan, max_bits, over_bits)
+    return _repack(torch.where(d >= 24, torch.where(move, tiny_bits, 0), top + q), bits & _INT32_MIN,
+                   u > _INF_BITS, max_bits, over_bits)
 
 
 def freeze_code_fp32(old: torch.Tensor, new: torch.Tensor, p: torch.Tensor):

@@ -12,7 +12,6 @@ setting and overflow policy), and on the freeze rule (against ``would_freeze``,
 import math
 import os
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -133,6 +132,27 @@ def test_quantize_takes_the_compiled_path_in_every_mode_alike():
 SR_KEYS = list(TR.SR_FORMATS) + ["fp32", "e5m23", "e7m20", "e8m0", "e2m0"]
 
 
+def sr_by_integer_position(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """The same stochastic rounding as sr_fp32 by another route: the position in the gap
+    rounded to k bits by integer arithmetic and compared with the top bits of the hash as
+    non-negative int32 numbers (as sr_fp32 did before it compared unsigned 32-bit numbers)."""
+    man_bits, emin_b, k, max_bits, over_bits, tiny_bits, s1, s2, first = (p[i] for i in range(9))
+    sign, u, nan = _fused._unpack(x)
+    top, s, d = _fused._decompose(u, man_bits, emin_b)
+    frac = s & ((1 << torch.clamp(d, max=25)) - 1)
+    sh = torch.clamp(d - k, min=0, max=26)
+    half = (1 << sh) >> 1
+    odd = (frac >> sh) & torch.clamp(half, max=1)
+    position = torch.where(d > k, (frac + (half - 1 + odd).clamp(min=0)) >> sh, frac)
+    j = torch.clamp(d, max=k)
+    index = torch.arange(x.numel(), dtype=torch.int32) + first
+    r = _fused._mix32(_fused._mix32(index ^ s1) ^ s2)
+    top_j = (r >> torch.clamp(32 - j, min=0, max=31)) & (0x7FFFFFFF >> torch.clamp(31 - j, min=0, max=31))
+    move = (top_j < position) & ((j < 32) | (r >= 0))
+    q = (s - frac) + (move.to(torch.int32) << torch.clamp(d, max=24))
+    return _fused._repack(torch.where(d >= 24, torch.where(move, tiny_bits, 0), top + q), sign, nan, max_bits, over_bits)
+
+
 @pytest.mark.parametrize("key", SR_KEYS)
 def test_compiled_sr_is_the_eager_function(compiled, key):
     fmt = {**ROUND_FORMATS, **TR.SR_FORMATS}[key]
@@ -141,6 +161,7 @@ def test_compiled_sr_is_the_eager_function(compiled, key):
         for k in (None, 1, 3, 8, 23, 24, 31, 32):
             p = torch.tensor(_fused.stochastic_params(fmt, policy, k, 1234567891234), dtype=torch.int32)
             eager = _fused.sr_fp32(x, p)
+            assert same_bits(eager, sr_by_integer_position(x, p)), (policy, k)
             assert same_bits(compiled["stochastic"](x, p), eager), (policy, k)
             y = x.clone()
             compiled["stochastic_"](y, p)
@@ -507,17 +528,22 @@ def test_benchmark_runs_at_tiny_sizes(tmp_path, capsys, monkeypatch):
         bench.main(["--summary-of", str(tmp_path / "missing.json")])
 
 
-def test_rounds_times_short_cases_over_several_runs():
+def test_rounds_times_short_cases_over_several_runs(monkeypatch):
+    """On a clock that only the cases move (2 and 3 ms a call), the warmup's slowest case sets
+    the runs per round (ceil(20 / 3) = 7, the same for both) and each time is one call's."""
+    clock = {"now": 0.0}
     calls = {"a": 0, "b": 0}
 
-    def case(name):
+    def case(name, seconds):
         def fn():
             calls[name] += 1
-            time.sleep(0.002)
+            clock["now"] += seconds
         return fn
-    times = bench._rounds({"a": case("a"), "b": case("b")}, "cpu", repeats=3, warmup=1, min_seconds=0.02)
-    assert calls["a"] == calls["b"] and calls["a"] >= 1 + 3 * 5   # warmup, then >= 5 runs per round
-    assert all(0.002 <= t < 0.02 for t in times.values())
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: clock["now"])
+    times = bench._rounds({"a": case("a", 0.002), "b": case("b", 0.003)}, "cpu", repeats=3, warmup=1,
+                          min_seconds=0.02)
+    assert calls == {"a": 1 + 3 * 7, "b": 1 + 3 * 7}
+    assert times == pytest.approx({"a": 0.002, "b": 0.003}, rel=1e-9)
 
 
 # ------------------------------------------------------------------------------------------------
