@@ -77,6 +77,7 @@ from .formats import FloatFormat
 __all__ = ["status", "set_mode", "get_mode", "compile_all", "nearest_params", "stochastic_params",
            "freeze_params", "rne_fp32", "sr_fp32", "freeze_code_fp32", "freeze_code_tagged_fp32",
            "freeze_code_paired_fp32", "freeze_code_paired_m0_fp32", "freeze_code_paired", "paired_counts",
+           "pair_pattern",
            "equal_count_fp32", "nearest", "nearest_", "stochastic", "stochastic_", "freeze_code",
            "equal_count", "pack", "fits", "MODES", "CODE_BINS"]
 
@@ -235,29 +236,46 @@ def freeze_code_tagged_fp32(old: torch.Tensor, new: torch.Tensor, tag: torch.Ten
     return code | tag, moved
 
 
-def freeze_code_paired_fp32(old: torch.Tensor, new: torch.Tensor, p: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def freeze_code_paired_fp32(old: torch.Tensor, new: torch.Tensor, p: torch.Tensor, out: torch.Tensor,
+                            pattern: torch.Tensor) -> torch.Tensor:
     """:func:`_freeze_code` without the few-bit flag, for formats with mantissa bits, written
     into ``out`` (uint8, one per element) so that two neighbours read as one int16
     (little-endian) make one :func:`torch.bincount` entry: half as many entries, and consecutive
     entries alternate between two counters where the codes repeat (a run of equal codes
     otherwise makes every increment wait for the one before). With ``c = frozen | bin << 1``
     (below 128), element ``i`` holds ``c << 1 | ((i >> 1) & 1)`` when ``i`` is even and ``c``
-    when it is odd, so that the int16 is not negative. Returns the sum of the move
-    probabilities (float64, 0-dim)."""
-    return _paired(old, new, p, out, infinite_gap=False)
+    when it is odd, so that the int16 is not negative. ``pattern`` (uint8, as long as ``old``:
+    :func:`pair_pattern`) holds ``1 | ((i >> 1) & 1) << 1`` for even ``i`` and 0 for odd ones
+    (read from memory: inductor's CPU code builds an element index lane by lane, which costs
+    more). Returns the sum of the move probabilities (float64, 0-dim)."""
+    return _paired(old, new, p, out, pattern, infinite_gap=False)
 
 
-def freeze_code_paired_m0_fp32(old: torch.Tensor, new: torch.Tensor, p: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def freeze_code_paired_m0_fp32(old: torch.Tensor, new: torch.Tensor, p: torch.Tensor, out: torch.Tensor,
+                               pattern: torch.Tensor) -> torch.Tensor:
     """:func:`freeze_code_paired_fp32` for formats without mantissa bits (an infinite gap at inf)."""
-    return _paired(old, new, p, out, infinite_gap=True)
+    return _paired(old, new, p, out, pattern, infinite_gap=True)
 
 
-def _paired(old, new, p, out, infinite_gap: bool) -> torch.Tensor:
+def _paired(old, new, p, out, pattern, infinite_gap: bool) -> torch.Tensor:
     code, moved = _freeze_code(old, new, p, fewbit=False, infinite_gap=infinite_gap)   # frozen | bin << 1
-    index = torch.arange(old.numel(), dtype=torch.int32, device=old.device)
-    even = (index & 1) ^ 1
-    out.copy_(((code << even) | ((index >> 1) & even)).to(torch.uint8))
+    layout = pattern.to(torch.int32)
+    out.copy_(((code << (layout & 1)) | (layout >> 1)).to(torch.uint8))
     return moved
+
+
+_PAIR_PATTERNS: Dict[torch.device, torch.Tensor] = {}
+
+
+def pair_pattern(n: int, device) -> torch.Tensor:
+    """The layout bytes of :func:`freeze_code_paired_fp32` for ``n`` elements: a view of one
+    tensor per device, kept and grown to the longest asked for."""
+    pattern = _PAIR_PATTERNS.get(device)
+    if pattern is None or pattern.numel() < n:
+        i = torch.arange(max(n, 1 << 16), dtype=torch.int32, device=device)
+        even = (i & 1) ^ 1
+        pattern = _PAIR_PATTERNS[device] = (even | (((i >> 1) & 1) & even) << 1).to(torch.uint8)
+    return pattern[:n]
 
 
 def _rne_magnitude(u: torch.Tensor, man_bits, emin_b, max_bits, over_bits) -> torch.Tensor:
@@ -383,14 +401,15 @@ def _freeze_eager(fn, old: torch.Tensor, new: torch.Tensor, *rest):
     return torch.cat(codes), moved
 
 
-def _paired_eager(fn, old: torch.Tensor, new: torch.Tensor, p: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def _paired_eager(fn, old: torch.Tensor, new: torch.Tensor, p: torch.Tensor, out: torch.Tensor,
+                  pattern: torch.Tensor) -> torch.Tensor:
     """A paired freeze kernel run eagerly slice by slice, the move sums added (the slices start
     at even elements, so that every element keeps its layout; which of the two counters a pair
     goes to does not matter)."""
     moved = None
     for start in range(0, old.numel(), EAGER_CHUNK):
         piece = slice(start, start + EAGER_CHUNK)
-        m = fn(old[piece], new[piece], p, out[piece])
+        m = fn(old[piece], new[piece], p, out[piece], pattern[piece])
         moved = m if moved is None else moved + m
     return moved
 
@@ -598,7 +617,8 @@ def freeze_code_paired(old: torch.Tensor, new: torch.Tensor, fmt: FloatFormat, o
     elements into ``out``; returns the move sum (no few-bit prediction: k = 0)."""
     p = _cached_params("freeze", fmt, None, None, old.device)
     name, fn = ("freeze_paired", freeze_code_paired_fp32) if fmt.man_bits else ("freeze_paired_m0", freeze_code_paired_m0_fp32)
-    return _KERNELS[name](old, new, p, out, eager=lambda: _paired_eager(fn, old, new, p, out))
+    pattern = pair_pattern(old.numel(), old.device)
+    return _KERNELS[name](old, new, p, out, pattern, eager=lambda: _paired_eager(fn, old, new, p, out, pattern))
 
 
 PAIRED_BINCOUNT = sys.byteorder == "little"   # two uint8 codes read as one int16

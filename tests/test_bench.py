@@ -181,6 +181,9 @@ def test_eager_slices_give_the_same_bits(monkeypatch):
     whole = _fused.sr_fp32(x, p)
     fp = torch.tensor(_fused.freeze_params(fmt, 2), dtype=torch.int32)
     code, moved = _fused.freeze_code_fp32(x, new, fp)
+    n = len(x) // 2 * 2
+    paired = torch.empty(n, dtype=torch.uint8)
+    paired_moved = _fused.freeze_code_paired_fp32(x[:n], new[:n], fp, paired, _fused.pair_pattern(n, x.device))
     monkeypatch.setattr(_fused, "EAGER_CHUNK", 999)
     previous = _fused.set_mode("off")
     try:
@@ -190,6 +193,10 @@ def test_eager_slices_give_the_same_bits(monkeypatch):
         assert same_bits(y, whole)
         code2, moved2 = _fused.freeze_code(x, new, fmt, 2)
         assert torch.equal(code2, code)
+        paired2 = torch.empty_like(paired)
+        paired_moved2 = _fused.freeze_code_paired(x[:n], new[:n], fmt, paired2)
+        assert torch.equal(paired2, paired)
+        assert torch.allclose(paired_moved2, paired_moved, rtol=1e-12, atol=0, equal_nan=True)
         assert (moved.isnan() and moved2.isnan()) or math.isclose(moved.item(), moved2.item(), rel_tol=1e-12)
     finally:
         _fused.set_mode(previous)
@@ -267,8 +274,9 @@ def test_freeze_code_is_the_freeze_rule(compiled, key):
         assert torch.equal(tagged, code.to(torch.int32) | tag)
         paired, eager_paired = torch.empty_like(code), torch.empty_like(code)
         name, fn = paired_kernel(fmt)
-        paired_moved = compiled[name](old, new, p, paired)
-        eager_paired_moved = fn(old, new, p, eager_paired)
+        pattern = _fused.pair_pattern(len(old), old.device)
+        paired_moved = compiled[name](old, new, p, paired, pattern)
+        eager_paired_moved = fn(old, new, p, eager_paired, pattern)
         assert torch.equal(paired, eager_paired)
         for got, want in ((paired_moved, moved), (eager_paired_moved, eager_moved)):
             assert torch.allclose(got, want, rtol=0, atol=0, equal_nan=True)
@@ -310,7 +318,7 @@ def test_freeze_code_under_every_overflow_policy(compiled, key):
         code, moved = compiled["freeze"](old, new, p)
         eager_code, _ = _fused.freeze_code_fp32(old, new, p)
         paired = torch.empty_like(code)
-        compiled[paired_kernel(fmt)[0]](old, new, p, paired)
+        compiled[paired_kernel(fmt)[0]](old, new, p, paired, _fused.pair_pattern(len(old), old.device))
         assert torch.equal(code, eager_code), policy
         assert torch.equal((code & 1).bool(), frozen), policy
         assert torch.equal((code >> 2).to(torch.int64), exact_bins(ratio)), policy
