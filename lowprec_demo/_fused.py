@@ -76,7 +76,8 @@ from .formats import FloatFormat
 
 __all__ = ["status", "set_mode", "get_mode", "compile_all", "nearest_params", "stochastic_params",
            "freeze_params", "rne_fp32", "sr_fp32", "freeze_code_fp32", "freeze_code_tagged_fp32",
-           "freeze_code_paired_fp32", "freeze_code_paired_m0_fp32", "freeze_code_paired", "paired_counts",
+           "freeze_code_paired_fp32", "freeze_code_paired_m0_fp32", "freeze_code_paired_1f_fp32",
+           "freeze_code_paired", "paired_kernel", "one_factor", "paired_counts",
            "pair_pattern",
            "equal_count_fp32", "nearest", "nearest_", "stochastic", "stochastic_", "freeze_code",
            "equal_count", "pack", "fits", "MODES", "CODE_BINS"]
@@ -257,8 +258,21 @@ def freeze_code_paired_m0_fp32(old: torch.Tensor, new: torch.Tensor, p: torch.Te
     return _paired(old, new, p, out, pattern, infinite_gap=True)
 
 
-def _paired(old, new, p, out, pattern, infinite_gap: bool) -> torch.Tensor:
-    code, moved = _freeze_code(old, new, p, fewbit=False, infinite_gap=infinite_gap)   # frozen | bin << 1
+def freeze_code_paired_1f_fp32(old: torch.Tensor, new: torch.Tensor, p: torch.Tensor, out: torch.Tensor,
+                               pattern: torch.Tensor) -> torch.Tensor:
+    """:func:`freeze_code_paired_fp32` for formats whose gaps a single float32 factor divides
+    by (:func:`one_factor`: fp16 and the 8-bit formats, not bf16)."""
+    return _paired(old, new, p, out, pattern, infinite_gap=False, one_factor=True)
+
+
+def one_factor(fmt: FloatFormat) -> bool:
+    """Whether ``1/gap`` is a normal float32 for every gap of the format, inf's included
+    (biased gap exponents 0..253): ``m >= 2`` and ``e_min - m >= -127``."""
+    return fmt.man_bits >= 2 and fmt.e_min - fmt.man_bits >= -127
+
+
+def _paired(old, new, p, out, pattern, infinite_gap: bool, one_factor: bool = False) -> torch.Tensor:
+    code, moved = _freeze_code(old, new, p, fewbit=False, infinite_gap=infinite_gap, one_factor=one_factor)
     layout = pattern.to(torch.int32)
     out.copy_(((code << (layout & 1)) | (layout >> 1)).to(torch.uint8))
     return moved
@@ -299,7 +313,7 @@ def _rne_magnitude(u: torch.Tensor, man_bits, emin_b, max_bits, over_bits) -> to
 
 
 def _freeze_code(old: torch.Tensor, new: torch.Tensor, p: torch.Tensor, fewbit: bool = True,
-                 infinite_gap: bool = True):
+                 infinite_gap: bool = True, one_factor: bool = False):
     """The freeze statistics of the update ``new - old`` (float32) for the format ``p``
     (int32, :func:`freeze_params`) describes, as :class:`lowprec_demo.prediction.FreezePredictor`
     defines them: the stored weight is ``w = q(old)`` (round to nearest) and ``d = new - old``.
@@ -312,7 +326,9 @@ def _freeze_code(old: torch.Tensor, new: torch.Tensor, p: torch.Tensor, fewbit: 
     ``min(1, |d|/gap)``, with k random bits resolved to k bits as
     :func:`lowprec_demo.rounding.move_probability` does (``fewbit=False``: full resolution).
     ``infinite_gap=False`` leaves out the gap at inf of a format without mantissa bits (the
-    only infinite gap): for formats with m >= 1.
+    only infinite gap): for formats with m >= 1. ``one_factor=True`` divides by the gap with
+    one multiplication: for formats whose every gap lies between 2**-127 and 2**126 (m >= 2 and
+    ``e_min - m >= -127``, :func:`one_factor`), where the second factor is 1.
 
     Everything is decided on bit patterns: NaN and infinity (``torch.isnan`` and friends
     compile to a loop over lanes on the CPU), signs, and the freeze rule itself, read off the
@@ -336,11 +352,15 @@ def _freeze_code(old: torch.Tensor, new: torch.Tensor, p: torch.Tensor, fewbit: 
     # float32's normal range (both factors >= 1 when it is large, so the product rounds once;
     # only ratios below 2**-126 can round twice, and they stay below every threshold here); an
     # infinite gap (m = 0 at inf) gives 0 or NaN, as the division does
-    neg_g = 127 - gap_exp                   # -128..149
-    first = torch.clamp(neg_g, min=-126, max=127)
-    scale_1 = ((first + 127) << 23).view(torch.float32)
-    scale_2 = ((neg_g - first + 127) << 23).view(torch.float32)
-    ratio = d.abs() * scale_1 * scale_2
+    if one_factor:
+        scales = [((254 - gap_exp) << 23).view(torch.float32)]
+    else:
+        neg_g = 127 - gap_exp               # -128..149
+        first = torch.clamp(neg_g, min=-126, max=127)
+        scales = [((first + 127) << 23).view(torch.float32), ((neg_g - first + 127) << 23).view(torch.float32)]
+    ratio = d.abs()
+    for scale in scales:
+        ratio = ratio * scale
     if infinite_gap:
         ratio = torch.where(gap_exp >= 255, torch.where(du < _INF_BITS, 0.0, float("nan")), ratio)
     rb = ratio.view(torch.int32)
@@ -348,7 +368,10 @@ def _freeze_code(old: torch.Tensor, new: torch.Tensor, p: torch.Tensor, fewbit: 
     # |w| / gap, an integer of at most 25 bits, comes exactly from the same two factors (the
     # first product is normal, or 0: |w| >= gap or w = 0); it is even when its half is whole.
     # (At inf the half is inf and counts as even: a finite update leaves inf in place anyway.)
-    half_multiple = wu.view(torch.float32) * scale_1 * scale_2 * 0.5
+    half_multiple = wu.view(torch.float32)
+    for scale in scales:
+        half_multiple = half_multiple * scale
+    half_multiple = half_multiple * 0.5
     frozen = (rb < _HALF_BITS) | ((rb == _HALF_BITS) & (torch.round(half_multiple) == half_multiple))
     # the stuck weight (saturated max, or inf) stays under an outward update; inf under any finite one
     frozen = frozen | ((wu == stuck_bits) & (~opposite | (du < stuck_limit)))
@@ -504,6 +527,7 @@ _KERNELS = {
     "freeze_tagged": _Kernel(freeze_code_tagged_fp32, "freeze_tagged"),
     "freeze_paired": _Kernel(freeze_code_paired_fp32, "freeze_paired"),
     "freeze_paired_m0": _Kernel(freeze_code_paired_m0_fp32, "freeze_paired_m0"),
+    "freeze_paired_1f": _Kernel(freeze_code_paired_1f_fp32, "freeze_paired_1f"),
     "equal_count": _Kernel(equal_count_fp32, "equal_count"),
 }
 
@@ -616,9 +640,18 @@ def freeze_code_paired(old: torch.Tensor, new: torch.Tensor, fmt: FloatFormat, o
     """:func:`freeze_code_paired_fp32` of two flat float32 tensors of an even number of
     elements into ``out``; returns the move sum (no few-bit prediction: k = 0)."""
     p = _cached_params("freeze", fmt, None, None, old.device)
-    name, fn = ("freeze_paired", freeze_code_paired_fp32) if fmt.man_bits else ("freeze_paired_m0", freeze_code_paired_m0_fp32)
+    name, fn = paired_kernel(fmt)
     pattern = pair_pattern(old.numel(), old.device)
     return _KERNELS[name](old, new, p, out, pattern, eager=lambda: _paired_eager(fn, old, new, p, out, pattern))
+
+
+def paired_kernel(fmt: FloatFormat) -> tuple:
+    """The name and function of the paired freeze kernel for the format."""
+    if not fmt.man_bits:
+        return "freeze_paired_m0", freeze_code_paired_m0_fp32
+    if one_factor(fmt):
+        return "freeze_paired_1f", freeze_code_paired_1f_fp32
+    return "freeze_paired", freeze_code_paired_fp32
 
 
 PAIRED_BINCOUNT = sys.byteorder == "little"   # two uint8 codes read as one int16
@@ -682,6 +715,7 @@ def compile_all(device="cpu") -> dict:
         freeze_code(x, x + 1e-3, fmt, None, torch.zeros(4096, dtype=torch.int32, device=device))
         freeze_code_paired(x, x + 1e-3, fmt, torch.empty(4096, dtype=torch.uint8, device=device))
         freeze_code_paired(x, x + 1e-3, FloatFormat(3, 0), torch.empty(4096, dtype=torch.uint8, device=device))
+        freeze_code_paired(x, x + 1e-3, FloatFormat(8, 7), torch.empty(4096, dtype=torch.uint8, device=device))
         equal_count(x, x + 1e-3)
         if x.device.type == "cuda":
             torch.cuda.synchronize()

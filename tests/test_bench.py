@@ -234,9 +234,7 @@ def exact_bins(ratio: torch.Tensor) -> torch.Tensor:
 
 def paired_kernel(fmt):
     """The paired freeze kernel for the format (its name, and its function to run eagerly)."""
-    if fmt.man_bits:
-        return "freeze_paired", _fused.freeze_code_paired_fp32
-    return "freeze_paired_m0", _fused.freeze_code_paired_m0_fp32
+    return _fused.paired_kernel(fmt)
 
 
 def freeze_cases(key):
