@@ -576,5 +576,13 @@ def test_cuda_compiled_kernels_match_the_cpu(key):
         want_code, want_moved = _fused.freeze_code_fp32(old, new.nan_to_num(0.0, 0.0, 0.0), p)
         assert torch.equal(code.cpu(), want_code)
         assert math.isclose(moved.item(), want_moved.item(), rel_tol=1e-9)
+        paired = torch.empty(len(old), dtype=torch.uint8, device="cuda")
+        moved = _fused.freeze_code_paired(old.cuda(), new.cuda().nan_to_num(0.0, 0.0, 0.0), fmt, paired)
+        flat = _fused.paired_kernel(fmt)[1]
+        want = torch.empty(len(old), dtype=torch.uint8)
+        p = torch.tensor(_fused.freeze_params(fmt, None), dtype=torch.int32)
+        want_moved = flat(old, new.nan_to_num(0.0, 0.0, 0.0), p, want, _fused.pair_pattern(len(old), "cpu"))
+        assert torch.equal(paired.cpu(), want)
+        assert math.isclose(moved.item(), want_moved.item(), rel_tol=1e-9)
     finally:
         _fused.set_mode(previous)
