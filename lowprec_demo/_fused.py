@@ -41,7 +41,10 @@ Freeze statistics (``freeze_code_fp32``)
     come from :func:`torch.bincount` of the bytes, which stalls when long runs of elements share
     a code (each increment waits for the one before): ``freeze_code_paired_fp32`` lays the bytes
     out so that two neighbours read as one int16 entry and consecutive entries alternate between
-    two counters.
+    two counters. The paired kernel comes in three variants, chosen by the format
+    (:func:`paired_kernel`): divisions by the gap with two scaling factors (bf16, whose smallest
+    gaps are below 2**-127), with one (fp16 and the 8-bit formats), and with the infinite gap at
+    inf of formats without mantissa bits.
 
 When is the compiled version used?
     ``LOWPREC_FUSED`` (environment) or :func:`set_mode`: ``"off"`` never, ``"on"`` for every
