@@ -80,7 +80,7 @@ from .formats import FloatFormat
 __all__ = ["status", "set_mode", "get_mode", "compile_all", "nearest_params", "stochastic_params",
            "freeze_params", "rne_fp32", "sr_fp32", "freeze_code_fp32", "freeze_code_tagged_fp32",
            "freeze_code_paired_fp32", "freeze_code_paired_m0_fp32", "freeze_code_paired_1f_fp32",
-           "freeze_code_paired", "paired_kernel", "one_factor", "paired_counts",
+           "freeze_code_paired", "paired_kernel", "one_factor_gaps", "paired_counts",
            "pair_pattern",
            "equal_count_fp32", "nearest", "nearest_", "stochastic", "stochastic_", "freeze_code",
            "equal_count", "pack", "fits", "MODES", "CODE_BINS"]
@@ -264,11 +264,11 @@ def freeze_code_paired_m0_fp32(old: torch.Tensor, new: torch.Tensor, p: torch.Te
 def freeze_code_paired_1f_fp32(old: torch.Tensor, new: torch.Tensor, p: torch.Tensor, out: torch.Tensor,
                                pattern: torch.Tensor) -> torch.Tensor:
     """:func:`freeze_code_paired_fp32` for formats whose gaps a single float32 factor divides
-    by (:func:`one_factor`: fp16 and the 8-bit formats, not bf16)."""
+    by (:func:`one_factor_gaps`: fp16 and the 8-bit formats, not bf16)."""
     return _paired(old, new, p, out, pattern, infinite_gap=False, one_factor=True)
 
 
-def one_factor(fmt: FloatFormat) -> bool:
+def one_factor_gaps(fmt: FloatFormat) -> bool:
     """Whether ``1/gap`` is a normal float32 for every gap of the format, inf's included
     (biased gap exponents 0..253): ``m >= 2`` and ``e_min - m >= -127``."""
     return fmt.man_bits >= 2 and fmt.e_min - fmt.man_bits >= -127
@@ -323,15 +323,16 @@ def _freeze_code(old: torch.Tensor, new: torch.Tensor, p: torch.Tensor, fewbit: 
 
     Returns ``(code, moved)``: ``code`` (int32, one per element, below 256) holds in bit 0 whether the
     element freezes (:func:`lowprec_demo.rounding.would_freeze`), in bit 1 whether ``|d|/gap``
-    is at most ``2**-(k+1)`` (few-bit SR never moves it; 0 with ``fewbit=False``) and in bits
-    2-7 the bin of ``log2(|d|/gap)`` (0..33, as ``bucketize`` with edges -24..8; ratio 0 in bin
-    0; 63 for NaN); ``moved`` (float64, 0-dim) is the sum of the move probabilities
-    ``min(1, |d|/gap)``, with k random bits resolved to k bits as
-    :func:`lowprec_demo.rounding.move_probability` does (``fewbit=False``: full resolution).
+    is at most ``2**-(k+1)`` (few-bit SR never moves it) and in bits 2-7 the bin of
+    ``log2(|d|/gap)`` (0..33, as ``bucketize`` with edges -24..8; ratio 0 in bin 0; 63 for
+    NaN); with ``fewbit=False`` there is no few-bit flag and the bin sits in bits 1-6.
+    ``moved`` (float64, 0-dim) is the sum of the move probabilities ``min(1, |d|/gap)``, with k
+    random bits resolved to k bits as :func:`lowprec_demo.rounding.move_probability` does
+    (``fewbit=False``: full resolution).
     ``infinite_gap=False`` leaves out the gap at inf of a format without mantissa bits (the
     only infinite gap): for formats with m >= 1. ``one_factor=True`` divides by the gap with
     one multiplication: for formats whose every gap lies between 2**-127 and 2**126 (m >= 2 and
-    ``e_min - m >= -127``, :func:`one_factor`), where the second factor is 1.
+    ``e_min - m >= -127``, :func:`one_factor_gaps`), where the second factor is 1.
 
     Everything is decided on bit patterns: NaN and infinity (``torch.isnan`` and friends
     compile to a loop over lanes on the CPU), signs, and the freeze rule itself, read off the
@@ -414,30 +415,17 @@ def _sr_eager(x: torch.Tensor, p: torch.Tensor, out: torch.Tensor) -> torch.Tens
 
 
 def _freeze_eager(fn, old: torch.Tensor, new: torch.Tensor, *rest):
-    """A freeze kernel run eagerly slice by slice: codes concatenated, move sums added."""
-    codes, moved = [], None
-    for start in range(0, old.numel(), EAGER_CHUNK):
-        piece = slice(start, start + EAGER_CHUNK)
-        sliced = [t[piece] if t.dim() else t for t in rest[:-1]]
-        code, m = fn(old[piece], new[piece], *sliced, rest[-1])
-        codes.append(code)
-        moved = m if moved is None else moved + m
-    if not codes:
+    """A freeze kernel run eagerly slice by slice: every argument as long as ``old`` (a tag, an
+    output buffer, a layout pattern) sliced alike, the parameters whole; codes concatenated,
+    move sums added."""
+    n = old.numel()
+    if n <= EAGER_CHUNK:
         return fn(old, new, *rest)
-    return torch.cat(codes), moved
-
-
-def _paired_eager(fn, old: torch.Tensor, new: torch.Tensor, p: torch.Tensor, out: torch.Tensor,
-                  pattern: torch.Tensor) -> torch.Tensor:
-    """A paired freeze kernel run eagerly slice by slice, the move sums added (the slices start
-    at even elements, so that every element keeps its layout; which of the two counters a pair
-    goes to does not matter)."""
-    moved = None
-    for start in range(0, old.numel(), EAGER_CHUNK):
-        piece = slice(start, start + EAGER_CHUNK)
-        m = fn(old[piece], new[piece], p, out[piece], pattern[piece])
-        moved = m if moved is None else moved + m
-    return moved
+    parts = [fn(*(t[start:start + EAGER_CHUNK] if t.dim() and t.numel() == n else t for t in (old, new, *rest)))
+             for start in range(0, n, EAGER_CHUNK)]
+    if isinstance(parts[0], tuple):
+        return torch.cat([code for code, _ in parts]), sum(moved for _, moved in parts)
+    return sum(parts)
 
 
 def _rne_fp32_(x: torch.Tensor, p: torch.Tensor) -> None:
@@ -645,14 +633,14 @@ def freeze_code_paired(old: torch.Tensor, new: torch.Tensor, fmt: FloatFormat, o
     p = _cached_params("freeze", fmt, None, None, old.device)
     name, fn = paired_kernel(fmt)
     pattern = pair_pattern(old.numel(), old.device)
-    return _KERNELS[name](old, new, p, out, pattern, eager=lambda: _paired_eager(fn, old, new, p, out, pattern))
+    return _KERNELS[name](old, new, p, out, pattern, eager=lambda: _freeze_eager(fn, old, new, p, out, pattern))
 
 
 def paired_kernel(fmt: FloatFormat) -> tuple:
     """The name and function of the paired freeze kernel for the format."""
     if not fmt.man_bits:
         return "freeze_paired_m0", freeze_code_paired_m0_fp32
-    if one_factor(fmt):
+    if one_factor_gaps(fmt):
         return "freeze_paired_1f", freeze_code_paired_1f_fp32
     return "freeze_paired", freeze_code_paired_fp32
 

@@ -167,6 +167,8 @@ class _Pack:
         self.tags = None if len(names) == 1 else torch.repeat_interleave(
             torch.arange(len(names), dtype=torch.int32, device=self.buffer.device) << 8,
             torch.tensor(self.sizes, device=self.buffer.device))
+        # one tensor of an even size: its codes can be counted two per bincount entry
+        self.paired = len(names) == 1 and self.buffer.numel() % 2 == 0 and _fused.PAIRED_BINCOUNT
         self._codes: Optional[torch.Tensor] = None
 
     def codes(self) -> torch.Tensor:
@@ -372,10 +374,10 @@ class FreezePredictor(_StepTracker):
         for fmt in self.formats:
             per_tensor, hist, moved, fewbit = [], None, None, None
             for pack, new in current:
-                if len(pack.names) == 1 and self.rand_bits is None and pack.buffer.numel() % 2 == 0 \
-                        and _fused.PAIRED_BINCOUNT:
-                    moved_sum = _fused.freeze_code_paired(pack.buffer, new, fmt, pack.codes())
-                    frozen, counts = _fused.paired_counts(pack.codes())
+                if pack.paired and self.rand_bits is None:
+                    codes = pack.codes()
+                    moved_sum = _fused.freeze_code_paired(pack.buffer, new, fmt, codes)
+                    frozen, counts = _fused.paired_counts(codes)
                     per_tensor.append(frozen.reshape(1))
                 else:
                     # one bincount: frozen, few-bit and bin jointly, per tensor of the pack
