@@ -80,10 +80,12 @@ from .formats import FloatFormat
 __all__ = ["status", "set_mode", "get_mode", "compile_all", "nearest_params", "stochastic_params",
            "freeze_params", "rne_fp32", "sr_fp32", "freeze_code_fp32", "freeze_code_tagged_fp32",
            "freeze_code_paired_fp32", "freeze_code_paired_m0_fp32", "freeze_code_paired_1f_fp32",
-           "freeze_code_paired", "paired_kernel", "one_factor_gaps", "paired_counts",
+           "freeze_code_paired", "paired_kernel", "one_factor_gaps", "paired_counts", "paired_sums",
+           "fold_paired", "fold_bytes",
            "pair_pattern",
            "equal_count_fp32", "nearest", "nearest_", "stochastic", "stochastic_", "freeze_code",
-           "equal_count", "pack", "fits", "MODES", "CODE_BINS"]
+           "equal_count", "changed_blocks_fp32", "frozen_blocks_u8", "changed_blocks", "frozen_blocks",
+           "pack", "fits", "MODES", "CODE_BINS", "BLOCK"]
 
 MODES = ("auto", "on", "off")
 EAGER_BUDGET = 1 << 25         # "auto": compile once this many elements went through eagerly
@@ -281,17 +283,27 @@ def _paired(old, new, p, out, pattern, infinite_gap: bool, one_factor: bool = Fa
     return moved
 
 
-_PAIR_PATTERNS: Dict[torch.device, torch.Tensor] = {}
+_PATTERNS: Dict[tuple, torch.Tensor] = {}
 
 
-def pair_pattern(n: int, device) -> torch.Tensor:
+def pair_pattern(n: int, device, layout: str = "paired") -> torch.Tensor:
     """The layout bytes of :func:`freeze_code_paired_fp32` for ``n`` elements: a view of one
-    tensor per device, kept and grown to the longest asked for."""
-    pattern = _PAIR_PATTERNS.get(device)
+    tensor per device and layout, kept and grown to the longest asked for. ``"paired"``: two
+    codes per int16 bincount entry (see there); ``"bytes"``: every element holds
+    ``c << 1 | (i & 1)`` (the pattern ``1 | (i & 1) << 1``), one uint8 bincount entry each,
+    consecutive entries alternating between two counters: for packs of small tensors, whose
+    counts then fit in 256 bins instead of 32768."""
+    if layout not in ("paired", "bytes"):
+        raise ValueError(f"layout must be 'paired' or 'bytes'; got {layout!r}")
+    pattern = _PATTERNS.get((device, layout))
     if pattern is None or pattern.numel() < n:
         i = torch.arange(max(n, 1 << 16), dtype=torch.int32, device=device)
-        even = (i & 1) ^ 1
-        pattern = _PAIR_PATTERNS[device] = (even | (((i >> 1) & 1) & even) << 1).to(torch.uint8)
+        if layout == "paired":
+            even = (i & 1) ^ 1
+            pattern = (even | (((i >> 1) & 1) & even) << 1).to(torch.uint8)
+        else:
+            pattern = (1 | (i & 1) << 1).to(torch.uint8)
+        _PATTERNS[(device, layout)] = pattern
     return pattern[:n]
 
 
@@ -401,6 +413,24 @@ def equal_count_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.where(a == b, 1, 0).sum()
 
 
+BLOCK = 64                  # in a pack of several tensors, each starts at a multiple of this many elements
+
+
+def changed_blocks_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many elements differ (``a == b`` false as floats compare: NaN always, +0 and -0
+    never) in each block of :data:`BLOCK` consecutive elements of two flat float32 tensors whose
+    length is a multiple of it, as float32 (exact: at most 64). One pass that writes one number
+    per block (a float sum: inductor's CPU code vectorizes it, an integer one it does not)."""
+    return torch.where(a.view(-1, BLOCK) == b.view(-1, BLOCK), 0.0, 1.0).sum(1)
+
+
+def frozen_blocks_u8(codes: torch.Tensor) -> torch.Tensor:
+    """How many elements freeze in each block of :data:`BLOCK` codes written by
+    :func:`freeze_code_paired_fp32` in the ``"bytes"`` layout (the frozen flag in bit 1), as
+    float32 (exact)."""
+    return ((codes.to(torch.int32) >> 1) & 1).to(torch.float32).view(-1, BLOCK).sum(1)
+
+
 EAGER_CHUNK = 1 << 22       # eagerly, big tensors go in slices: ~20 temporaries of a slice each
 
 
@@ -449,18 +479,122 @@ elif _state["mode"] not in MODES:
     _state["mode"] = "auto"
 
 
+DIRECT_NUMEL = 1 << 12        # calls at least this large skip torch.compile's per-call checks (_Direct)
+_DIRECT_CHECK_NUMEL = 1 << 13  # the length of the slices a direct call is checked on, at most
+
+
+class _Direct:
+    """A kernel's compiled graph called without torch.compile's per-call machinery.
+
+    Every call of a ``torch.compile`` function first runs its guards and wrappers: about 40 us
+    here, as much as the kernel itself takes on a small model's packed tensors (the quick
+    nanoGPT's 0.1M parameters). The graph dynamo captured on the first call is compiled by
+    inductor as usual (the backend below is what ``backend="inductor"`` runs) and kept; a later
+    call passes its tensors and their lengths straight to it when they are what the graph was
+    built for: the same dtypes, device and one dimension, contiguous, of the lengths the guards
+    tie together (every tensor as long as the first one, or of a fixed length like the format
+    parameters), with at least :data:`DIRECT_NUMEL` elements and a multiple of the kernel's
+    ``multiple``. Anything else goes through the compiled function and its guards. The direct
+    call is used only once it gave the eager function's bits (outputs and arguments it writes)
+    on slices of the first call's tensors; the tests compare it with the eager code on the
+    exactness suite's points."""
+
+    def __init__(self, compiled, getters: list, specs: list, outputs: str, multiple: int, device) -> None:
+        self.compiled, self.getters, self.specs = compiled, getters, specs
+        self.outputs, self.multiple, self.device = outputs, multiple, device
+
+    def fits(self, args) -> bool:
+        n = args[0].numel()
+        if n < DIRECT_NUMEL or n % self.multiple or len(args) != len(self.specs):
+            return False
+        for a, (dtype, length) in zip(args, self.specs):
+            if (not torch.is_tensor(a) or a.dtype != dtype or a.dim() != 1 or a.device != self.device
+                    or not a.is_contiguous() or a.numel() != (n if length is None else length)):
+                return False
+        return True
+
+    def __call__(self, args):
+        out = self.compiled(*[args[i] if d is None else args[i].shape[d] for i, d in self.getters])
+        if self.outputs == "none":
+            return None
+        return out[0] if self.outputs == "tensor" else tuple(out)
+
+    @classmethod
+    def build(cls, fn, graphs: list, args: tuple, multiple: int):
+        """The direct call of the one graph in ``graphs`` (``(graph module, compiled)``, from
+        the first call with ``args``), or None with the reason why not."""
+        import inspect
+        import re
+        if len(graphs) != 1:
+            return None, f"{len(graphs)} graphs"
+        gm, compiled = graphs[0]
+        names = list(inspect.signature(fn).parameters)
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        tensors, getters = {}, []
+        for node in placeholders:
+            value = node.meta.get("example_value")
+            match = re.fullmatch(r"l_(\w+)_", node.name)
+            if torch.is_tensor(value) and match and match.group(1) in names:
+                tensors[names.index(match.group(1))] = [str(size) for size in value.shape]
+        for node in placeholders:
+            value = node.meta.get("example_value")
+            if torch.is_tensor(value):
+                getters.append((names.index(re.fullmatch(r"l_(\w+)_", node.name).group(1)), None))
+                continue
+            where = [(i, d) for i, sizes in tensors.items() for d, size in enumerate(sizes) if size == str(value)]
+            if not isinstance(value, torch.SymInt) or not where:
+                return None, f"an input it cannot name: {node.name}"
+            getters.append(where[0])
+        if sorted(i for i, d in getters if d is None) != list(range(len(args))):
+            return None, "not every argument is a tensor input of the graph"
+        n = args[0].numel()
+        if n < DIRECT_NUMEL:   # (the graph of a short first call may be specialised to it)
+            return None, f"first call shorter than {DIRECT_NUMEL} elements"
+        specs = [(a.dtype, None if a.numel() == n else a.numel()) for a in args]
+        # check on slices of another length than the first call's: the eager function and the
+        # direct call, each on its own copies
+        m = min(n - multiple, _DIRECT_CHECK_NUMEL) // multiple * multiple
+
+        def copies():
+            return [a[:m].clone() if a.numel() == n else a.clone() for a in args]
+        want_args, got_args = copies(), copies()
+        want = fn(*want_args)
+        outputs = "none" if want is None else "tensor" if torch.is_tensor(want) else "tuple"
+        direct = cls(compiled, getters, [(a.dtype, length) for a, (_, length) in zip(args, specs)], outputs,
+                     multiple, args[0].device)
+        got = direct(got_args)
+        flat_want = [] if want is None else [want] if torch.is_tensor(want) else list(want)
+        flat_got = [] if got is None else [got] if torch.is_tensor(got) else list(got)
+        if len(flat_want) != len(flat_got):
+            return None, "outputs differ in number"
+        for a, b in zip(flat_want + want_args, flat_got + got_args):
+            if a.shape != b.shape or a.dtype != b.dtype:
+                return None, "outputs differ in shape or dtype"
+            if a.dim() == 0 and a.is_floating_point():   # a sum: the order of the additions differs
+                same = torch.allclose(a, b, rtol=1e-9, atol=0, equal_nan=True)
+            else:
+                same = torch.equal(a.view(torch.uint8) if a.dim() else a, b.view(torch.uint8) if b.dim() else b)
+            if not same:
+                return None, "different results"
+        return direct, "used"
+
+
 class _Kernel:
     """A kernel function with its compiled versions (one per device type), the time the first
-    compiled call took, the eager work done so far and why compiling failed, if it did."""
+    compiled call took, the eager work done so far and why compiling failed, if it did.
+    ``multiple``: the element counts the kernel takes are multiples of it."""
 
-    def __init__(self, fn, name: str) -> None:
+    def __init__(self, fn, name: str, multiple: int = 1) -> None:
         self.fn = fn
         self.name = name
+        self.multiple = multiple
         self.compiled: Dict[str, object] = {}
+        self.direct: Dict[str, _Direct] = {}
+        self.direct_note: Dict[str, str] = {}
         self.compile_seconds: Dict[str, float] = {}
         self.failed: Dict[str, str] = {}
         self.eager_numel = 0
-        self.calls = {"compiled": 0, "eager": 0}
+        self.calls = {"compiled": 0, "direct": 0, "eager": 0}
 
     def _want_compiled(self, numel: int, device_type: str) -> bool:
         mode = _state["mode"]
@@ -476,6 +610,9 @@ class _Kernel:
         device_type = x.device.type
         if not self._want_compiled(x.numel(), device_type):
             return self._eager(args, eager)
+        direct = self.direct.get(device_type)
+        if direct is not None and direct.fits(args):
+            return self._direct(direct, args)
         fn = self.compiled.get(device_type)
         try:
             if fn is not None and not torch.is_grad_enabled():
@@ -487,20 +624,52 @@ class _Kernel:
             message = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
             self.failed[device_type] = f"{type(error).__name__}: {message}"
             self.compiled.pop(device_type, None)
+            self.direct.pop(device_type, None)
             return self._eager(args, eager)
         self.calls["compiled"] += 1
         return out
+
+    def _direct(self, direct: _Direct, args):
+        self.calls["direct"] += 1
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                return direct(args)
+        return direct(args)
+
+    def compiled_call(self, device_type: str):
+        """The compiled kernel as the package calls it: directly where :class:`_Direct` takes
+        the arguments, else through ``torch.compile``'s function (for tests)."""
+        fn = self.compiled[device_type]
+
+        def call(*args):
+            direct = self.direct.get(device_type)
+            return self._direct(direct, args) if direct is not None and direct.fits(args) else fn(*args)
+        return call
 
     def _compile(self, device_type: str, args):
         with _lock:
             fn = self.compiled.get(device_type)
             if fn is not None:
                 return fn(*args)
-            fn = torch.compile(self.fn, dynamic=True, fullgraph=True)
+            graphs = []
+
+            def inductor(gm, example_inputs):   # what backend="inductor" runs, keeping the graph
+                from torch._inductor.compile_fx import compile_fx
+                compiled = compile_fx(gm, example_inputs)
+                graphs.append((gm, compiled))
+                return compiled
+            fn = torch.compile(self.fn, dynamic=True, fullgraph=True, backend=inductor)
             start = time.perf_counter()
             out = fn(*args)
             self.compile_seconds[device_type] = time.perf_counter() - start
             self.compiled[device_type] = fn
+            try:
+                direct, note = _Direct.build(self.fn, list(graphs), args, self.multiple)
+            except Exception as error:   # the compiled function's checks stay in place
+                direct, note = None, f"{type(error).__name__}: {str(error).strip()[:200]}"
+            if direct is not None:
+                self.direct[device_type] = direct
+            self.direct_note[device_type] = note
             return out
 
     def _eager(self, args, eager):
@@ -520,6 +689,8 @@ _KERNELS = {
     "freeze_paired_m0": _Kernel(freeze_code_paired_m0_fp32, "freeze_paired_m0"),
     "freeze_paired_1f": _Kernel(freeze_code_paired_1f_fp32, "freeze_paired_1f"),
     "equal_count": _Kernel(equal_count_fp32, "equal_count"),
+    "changed_blocks": _Kernel(changed_blocks_fp32, "changed_blocks", multiple=BLOCK),
+    "frozen_blocks": _Kernel(frozen_blocks_u8, "frozen_blocks", multiple=BLOCK),
 }
 
 
@@ -548,7 +719,8 @@ def status() -> dict:
 
     Example: ``status()["mode"]`` -> ``"auto"``."""
     return {"mode": _state["mode"], "torch": torch.__version__,
-            "kernels": {name: {"compiled": sorted(k.compiled), "compile_seconds": dict(k.compile_seconds),
+            "kernels": {name: {"compiled": sorted(k.compiled), "direct": dict(k.direct_note),
+                               "compile_seconds": dict(k.compile_seconds),
                                "failed": dict(k.failed), "calls": dict(k.calls)}
                         for name, k in _KERNELS.items()}}
 
@@ -556,7 +728,7 @@ def status() -> dict:
 def reset() -> None:
     """Forget compiled kernels, failures and eager work (for tests and benchmarks)."""
     for name, k in list(_KERNELS.items()):
-        _KERNELS[name] = _Kernel(k.fn, name)
+        _KERNELS[name] = _Kernel(k.fn, name, k.multiple)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -616,6 +788,16 @@ def equal_count(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return _KERNELS["equal_count"](a, b, eager=lambda: torch.eq(a, b).sum())
 
 
+def changed_blocks(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """:func:`changed_blocks_fp32`, compiled or eagerly."""
+    return _KERNELS["changed_blocks"](a, b)
+
+
+def frozen_blocks(codes: torch.Tensor) -> torch.Tensor:
+    """:func:`frozen_blocks_u8`, compiled or eagerly."""
+    return _KERNELS["frozen_blocks"](codes)
+
+
 def freeze_code(old: torch.Tensor, new: torch.Tensor, fmt: FloatFormat, rand_bits: Optional[int],
                 tag: Optional[torch.Tensor] = None):
     """:func:`freeze_code_fp32` of two flat float32 tensors, or with ``tag``
@@ -627,12 +809,14 @@ def freeze_code(old: torch.Tensor, new: torch.Tensor, fmt: FloatFormat, rand_bit
                                      eager=lambda: _freeze_eager(freeze_code_tagged_fp32, old, new, tag, p))
 
 
-def freeze_code_paired(old: torch.Tensor, new: torch.Tensor, fmt: FloatFormat, out: torch.Tensor) -> torch.Tensor:
-    """:func:`freeze_code_paired_fp32` of two flat float32 tensors of an even number of
-    elements into ``out``; returns the move sum (no few-bit prediction: k = 0)."""
+def freeze_code_paired(old: torch.Tensor, new: torch.Tensor, fmt: FloatFormat, out: torch.Tensor,
+                       layout: str = "paired") -> torch.Tensor:
+    """:func:`freeze_code_paired_fp32` of two flat float32 tensors into ``out`` in the layout
+    of :func:`pair_pattern` (``"paired"``: an even number of elements); returns the move sum
+    (no few-bit prediction)."""
     p = _cached_params("freeze", fmt, None, None, old.device)
     name, fn = paired_kernel(fmt)
-    pattern = pair_pattern(old.numel(), old.device)
+    pattern = pair_pattern(old.numel(), old.device, layout)
     return _KERNELS[name](old, new, p, out, pattern, eager=lambda: _freeze_eager(fn, old, new, p, out, pattern))
 
 
@@ -648,13 +832,36 @@ def paired_kernel(fmt: FloatFormat) -> tuple:
 PAIRED_BINCOUNT = sys.byteorder == "little"   # two uint8 codes read as one int16
 
 
+def paired_sums(out: torch.Tensor) -> tuple:
+    """The counts of the codes written by :func:`freeze_code_paired`, from one bincount of their
+    int16 pairs, summed two ways: ``even`` (256, int64) per (bin, frozen, lane) of the even
+    element of a pair, ``odd`` (128) per (bin, frozen) of the odd one; :func:`fold_paired`
+    turns them (as lists) into the frozen count and the histogram. (Two plain reductions of the
+    32768 counts; the rest in Python on the short lists, where it costs less than more tensor
+    operations.)"""
+    rows = torch.bincount(out.view(torch.int16), minlength=1 << 15).view(128, 256)
+    return rows.sum(0), rows.sum(1)
+
+
+def fold_paired(even: list, odd: list) -> tuple:
+    """The frozen count and the histogram of the 64 bin values from :func:`paired_sums`."""
+    frozen, hist = fold_bytes(even)
+    return frozen + sum(odd[1::2]), [h + a + b for h, a, b in zip(hist, odd[0::2], odd[1::2])]
+
+
+def fold_bytes(counts: list) -> tuple:
+    """The frozen count and the histogram of the 64 bin values from the 256 counts per
+    (bin, frozen, lane) of codes in the ``"bytes"`` layout (``torch.bincount(out,
+    minlength=256)``), or of the even elements in the paired one."""
+    frozen = sum(counts[2::4]) + sum(counts[3::4])
+    return frozen, [a + b + c + d for a, b, c, d in zip(counts[0::4], counts[1::4], counts[2::4], counts[3::4])]
+
+
 def paired_counts(out: torch.Tensor) -> tuple:
-    """The frozen count (int64, 0-dim) and the histogram of the 64 bin values (int64) of codes
-    written by :func:`freeze_code_paired`, from one bincount of their int16 pairs."""
-    counts = torch.bincount(out.view(torch.int16), minlength=1 << 15).view(64, 2, 64, 2, 2)
-    # dimensions: bin and frozen of the odd element, bin, frozen and lane of the even one
-    frozen = counts[:, 1].sum() + counts[:, :, :, 1].sum()
-    return frozen, counts.sum((1, 2, 3, 4)) + counts.sum((0, 1, 3, 4))
+    """The frozen count (int) and the histogram of the 64 bin values (a list) of codes written
+    by :func:`freeze_code_paired`."""
+    even, odd = paired_sums(out)
+    return fold_paired(even.tolist(), odd.tolist())
 
 
 SMALL_NUMEL = 1 << 16      # tensors below this size are packed together, one kernel call each pack
@@ -705,9 +912,12 @@ def compile_all(device="cpu") -> dict:
         freeze_code(x, x + 1e-3, fmt, None)
         freeze_code(x, x + 1e-3, fmt, None, torch.zeros(4096, dtype=torch.int32, device=device))
         freeze_code_paired(x, x + 1e-3, fmt, torch.empty(4096, dtype=torch.uint8, device=device))
+        freeze_code_paired(x, x + 1e-3, fmt, torch.empty(4096, dtype=torch.uint8, device=device), "bytes")
         freeze_code_paired(x, x + 1e-3, FloatFormat(3, 0), torch.empty(4096, dtype=torch.uint8, device=device))
         freeze_code_paired(x, x + 1e-3, FloatFormat(8, 7), torch.empty(4096, dtype=torch.uint8, device=device))
         equal_count(x, x + 1e-3)
+        changed_blocks(x, x + 1e-3)
+        frozen_blocks(torch.zeros(4096, dtype=torch.uint8, device=device))
         if x.device.type == "cuda":
             torch.cuda.synchronize()
     finally:

@@ -364,13 +364,12 @@ def bench_training(model_name: str, device: str, repeats: int, variants=VARIANTS
 
 def _held_bytes(opt, tracker) -> int:
     """Memory a variant keeps between steps beyond the model and its optimizer: the tracker's
-    snapshot buffers and the packs of LowPrecisionOptimizer."""
+    buffers (snapshots, codes, tags) and the packs of LowPrecisionOptimizer."""
     total = 0
     for plan in getattr(opt, "_pack_cache", {}).values():
         total += sum(flat.numel() * flat.element_size() for _, flat, _ in plan if flat is not None)
     for pack in getattr(tracker, "_packs", []):
-        total += pack.buffer.numel() * pack.buffer.element_size()
-        total += 0 if pack.tags is None else pack.tags.numel() * pack.tags.element_size()
+        total += pack.held_bytes()
     return total
 
 

@@ -150,26 +150,56 @@ def freeze_order(record: FreezeRecord, threshold: float) -> List[tuple]:
     return sorted(steps.items(), key=lambda kv: (kv[1] is None, kv[1] if kv[1] is not None else 0, kv[0]))
 
 
+def _copy_into(targets: List[torch.Tensor], sources: List[torch.Tensor]) -> None:
+    """``t.copy_(s)`` for each pair, in one call where torch has ``_foreach_copy_``."""
+    if len(targets) > 1 and hasattr(torch, "_foreach_copy_"):
+        torch._foreach_copy_(targets, sources)
+    else:
+        for t, s in zip(targets, sources):
+            t.copy_(s)
+
+
 class _Pack:
     """Tracked tensors that share one flat snapshot buffer: a large tensor alone, or a run of
     small ones (see :func:`lowprec_demo._fused.pack`), so that a step costs a few operations
-    per pack rather than per tensor."""
+    per pack rather than per tensor.
+
+    In a pack of several tensors each tensor starts at a multiple of
+    :data:`lowprec_demo._fused.BLOCK` elements and zeros fill the gaps (the same zeros in every
+    buffer of the pack): the kernels count per block, and a tensor's count is the sum of its
+    blocks' (a cumulative sum over blocks, not over elements)."""
 
     def __init__(self, names: List[str], tensors: List[torch.Tensor]) -> None:
         self.names = names
         self.shapes = [t.shape for t in tensors]
         self.sizes = [t.numel() for t in tensors]
-        self.buffer = torch.empty(sum(self.sizes), dtype=tensors[0].dtype, device=tensors[0].device)
-        self.views = [v.view(shape) for v, shape in zip(self.buffer.split(self.sizes), self.shapes)]
-        # where each tensor's elements end in the buffer, for per-tensor counts from a cumsum;
-        # the tensor of each element, shifted into the high byte, for one bincount of every code
-        self._ends = torch.tensor(self.sizes, device=self.buffer.device).cumsum(0) - 1
-        self.tags = None if len(names) == 1 else torch.repeat_interleave(
-            torch.arange(len(names), dtype=torch.int32, device=self.buffer.device) << 8,
-            torch.tensor(self.sizes, device=self.buffer.device))
-        # one tensor of an even size: its codes can be counted two per bincount entry
-        self.paired = len(names) == 1 and self.buffer.numel() % 2 == 0 and _fused.PAIRED_BINCOUNT
+        self.several = len(names) > 1
+        device = tensors[0].device
+        block = _fused.BLOCK
+        self.spans = [-(-n // block) * block for n in self.sizes] if self.several else list(self.sizes)
+        self.pads = [s - n for s, n in zip(self.spans, self.sizes)]
+        self.buffer = torch.zeros(sum(self.spans), dtype=tensors[0].dtype, device=device)
+        self.views = [v[:n].view(shape) for v, n, shape in zip(self.buffer.split(self.spans), self.sizes, self.shapes)]
+        self._now: Optional[torch.Tensor] = None
         self._codes: Optional[torch.Tensor] = None
+        self.tags = None
+        if self.several:
+            # the tensor of each block, for per-tensor sums of per-block counts
+            self._block_tensor = torch.repeat_interleave(
+                torch.arange(len(names), device=device), torch.tensor(self.spans, device=device) // block)
+            # the tensor of each element, shifted into the high byte, for one bincount of every
+            # code; the gaps get the index one past the last tensor (a row of counts left out)
+            self.tags = torch.full((self.buffer.numel(),), len(names) << 8, dtype=torch.int32, device=device)
+            for i, tag in enumerate(self.tags.split(self.spans)):
+                tag[:self.sizes[i]] = i << 8
+        # one tensor of an even number of elements: the codes can be counted two per bincount
+        # entry (several tensors: one per entry, in 256 bins, see _after_step_packed)
+        self.paired = not self.several and self.buffer.numel() % 2 == 0 and _fused.PAIRED_BINCOUNT
+
+    def held_bytes(self) -> int:
+        """The memory this pack keeps from step to step."""
+        return sum(t.numel() * t.element_size() for t in (self.buffer, self._now, self._codes, self.tags)
+                   if t is not None)
 
     def codes(self) -> torch.Tensor:
         """A uint8 buffer of one code per element, kept for the next steps (allocated when first
@@ -178,24 +208,25 @@ class _Pack:
             self._codes = torch.empty(self.buffer.numel(), dtype=torch.uint8, device=self.buffer.device)
         return self._codes
 
-    def counts(self, flags: torch.Tensor) -> torch.Tensor:
-        """How many elements of each tensor have ``flags`` (flat, 0 or 1) set, as int64."""
-        if len(self.names) == 1:
-            return flags.sum(dtype=torch.int64).reshape(1)
-        total = flags.cumsum(0, dtype=torch.int32)[self._ends].to(torch.int64)
-        return torch.cat([total[:1], total[1:] - total[:-1]])
+    def per_tensor(self, blocks: torch.Tensor) -> torch.Tensor:
+        """Per-tensor sums of per-block counts (a pack of several tensors), as float64 (exact:
+        a pack holds fewer than 2**53 elements), in one operation."""
+        return torch.bincount(self._block_tensor, weights=blocks, minlength=len(self.names))
 
     def snapshot(self, tensors: List[torch.Tensor]) -> None:
-        if len(tensors) == 1:
-            self.views[0].copy_(tensors[0])
-        else:
-            torch.cat([t.reshape(-1) for t in tensors], out=self.buffer)
+        _copy_into(self.views, tensors)
 
     def flat(self, tensors: List[torch.Tensor]) -> torch.Tensor:
-        """The tensors' current values, flat, in the buffer's layout."""
-        if len(tensors) == 1:
+        """The tensors' current values, flat, in the buffer's layout (for several tensors a
+        buffer kept from step to step, with the same zeros in the gaps)."""
+        if not self.several:
             return tensors[0].reshape(-1)
-        return torch.cat([t.reshape(-1) for t in tensors])
+        if self._now is None:
+            self._now = torch.zeros_like(self.buffer)
+            self._now_views = [v[:n].view(shape) for v, n, shape in
+                               zip(self._now.split(self.spans), self.sizes, self.shapes)]
+        _copy_into(self._now_views, tensors)
+        return self._now
 
 
 class _StepTracker:
@@ -212,16 +243,16 @@ class _StepTracker:
 
     @staticmethod
     def _layout_of(tensors: Dict[str, torch.Tensor]) -> tuple:
-        return tuple((k, tuple(v.shape), v.dtype, v.device) for k, v in tensors.items())
+        return tuple((k, v.shape, v.dtype, v.device) for k, v in tensors.items())
 
     @torch.no_grad()
     def before_step(self) -> None:
         """Copy the tracked tensors (call just before ``optimizer.step()``). The copies live in
         buffers kept from step to step: one copy of the tracked tensors."""
-        current = {k: v.detach() for k, v in self._current().items()}
+        current = self._current()
         layout = self._layout_of(current)
         if layout != self._layout:
-            names, tensors = list(current), list(current.values())
+            names, tensors = list(current), [v.detach() for v in current.values()]
             self._packs = [_Pack([names[i] for i in group], [tensors[i] for i in group])
                            for group in _fused.pack(tensors)]
             self._layout = layout
@@ -243,7 +274,7 @@ class _StepTracker:
         snapshot (else None: the tensor by tensor path handles appearing and vanishing tensors)."""
         if not self._before:
             return None
-        now = {k: v.detach() for k, v in self._current().items()}
+        now = self._current()
         if self._layout_of(now) != self._layout:
             return None
         values = list(now.values())
@@ -276,14 +307,17 @@ class FreezeObserver(_StepTracker):
         if packed is None:
             pairs = [(name, int((new == old).sum().item()), new.numel()) for name, old, new in self._pairs()]
         else:  # one comparison per pack, one transfer of all the counts
-            counts = torch.cat([_fused.equal_count(pack.buffer, pack.flat(now)).reshape(1) if len(now) == 1
-                                else pack.counts(torch.eq(pack.flat(now), pack.buffer))
-                                for pack, now in packed]).cpu()
-            names = [(name, n) for pack, _ in packed for name, n in zip(pack.names, pack.sizes)]
-            pairs = [(name, frozen, n) for (name, n), frozen in zip(names, counts.tolist())]
+            counts = torch.cat([pack.per_tensor(_fused.changed_blocks(pack.buffer, pack.flat(now))) if pack.several
+                                else _fused.equal_count(pack.buffer, pack.flat(now)).reshape(1)
+                                for pack, now in packed]).tolist()
+            pairs, start = [], 0
+            for pack, _ in packed:   # several tensors: changed elements counted, one: equal ones
+                for name, n, count in zip(pack.names, pack.sizes, counts[start:start + len(pack.names)]):
+                    pairs.append((name, n - int(count) if pack.several else int(count), n))
+                start += len(pack.names)
         total_frozen, total = 0, 0
         for name, frozen, n in pairs:
-            self._append(name, frozen / n, n)
+            self._append(name, frozen / n if n else math.nan, n)
             total_frozen += frozen
             total += n
         self.record.overall.append(total_frozen / total if total else math.nan)
@@ -351,7 +385,7 @@ class FreezePredictor(_StepTracker):
             if name not in rec.by_tensor:
                 rec.by_tensor[name] = [math.nan] * len(rec.overall)
                 rec.sizes[name] = n
-            rec.by_tensor[name].append(f / n)
+            rec.by_tensor[name].append(f / n if n else math.nan)
             frozen_total += f
             count += n
         rec.overall.append(frozen_total / count if count else math.nan)
@@ -362,43 +396,59 @@ class FreezePredictor(_StepTracker):
 
     def _after_step_packed(self, packed) -> None:
         """All formats from the fused kernels: one pass over each pack per format, which writes
-        one byte per element (frozen, ratio bin and, for packs of several tensors or with a
-        few-bit prediction, the tensor and the few-bit flag: then wider) and returns the sum of
-        the move probabilities; the counts come from one bincount per pack, and everything
-        reaches Python in one transfer. A pack of one tensor without few-bit prediction takes
-        :func:`lowprec_demo._fused.freeze_code_paired` (two codes per bincount entry)."""
+        one code per element (frozen and ratio bin, with a few-bit prediction also the few-bit
+        flag and the tensor) and returns the sum of the move probabilities; the counts come
+        from one bincount per pack, and everything reaches Python in one transfer. Without
+        few-bit prediction the codes are laid out so that consecutive bincount entries
+        alternate between counters (:func:`lowprec_demo._fused.freeze_code_paired`): for one
+        tensor two codes per entry, for several one per entry (256 bins), the frozen elements
+        per tensor then counted per block (:func:`lowprec_demo._fused.frozen_blocks`)."""
         current = [(pack, pack.flat(now)) for pack, now in packed]
-        names = [(name, n) for pack, _ in packed for name, n in zip(pack.names, pack.sizes)]
-        bins = len(RATIO_BINS) + 1
-        rows = []
+        paired = self.rand_bits is None
+        parts = []
         for fmt in self.formats:
-            per_tensor, hist, moved, fewbit = [], None, None, None
             for pack, new in current:
-                if pack.paired and self.rand_bits is None:
+                if paired and pack.several:   # one byte per bincount entry, frozen per block
                     codes = pack.codes()
-                    moved_sum = _fused.freeze_code_paired(pack.buffer, new, fmt, codes)
-                    frozen, counts = _fused.paired_counts(codes)
-                    per_tensor.append(frozen.reshape(1))
+                    parts.append(_fused.freeze_code_paired(pack.buffer, new, fmt, codes, "bytes").reshape(1))
+                    parts += [torch.bincount(codes, minlength=256), pack.per_tensor(_fused.frozen_blocks(codes))]
+                elif paired and pack.paired:   # two codes per bincount entry
+                    codes = pack.codes()
+                    parts.append(_fused.freeze_code_paired(pack.buffer, new, fmt, codes).reshape(1))
+                    parts.extend(_fused.paired_sums(codes))
                 else:
-                    # one bincount: frozen, few-bit and bin jointly, per tensor of the pack
-                    code, moved_sum = _fused.freeze_code(pack.buffer, new, fmt, self.rand_bits, pack.tags)
-                    joint = torch.bincount(code, minlength=256 * len(pack.names)).view(-1, 256)
-                    per_tensor.append(joint.view(-1, 128, 2)[:, :, 1].sum(1))
-                    by_code = joint.sum(0).view(64, 4)
-                    counts = by_code.sum(1)
-                    few = by_code[:, 2:].sum()
-                    fewbit = few if fewbit is None else fewbit + few
-                hist = counts if hist is None else hist + counts
-                moved = moved_sum if moved is None else moved + moved_sum
-            few = torch.zeros_like(hist[0]) if fewbit is None else fewbit
-            rows.append(torch.cat([torch.cat(per_tensor), few.reshape(1), hist[:bins]]).to(torch.float64))
-            rows.append(moved.to(torch.float64).reshape(1))
-        values = torch.cat(rows).tolist()           # one transfer
-        k, width = len(names), len(names) + 2 + bins
-        for i, fmt in enumerate(self.formats):
-            row = values[i * width:(i + 1) * width]
-            per_tensor = [(name, int(f), n) for (name, n), f in zip(names, row[:k])]
-            self._add(self.records[fmt.name], per_tensor, row[-1], row[k], [int(c) for c in row[k + 1:k + 1 + bins]])
+                    # one bincount: frozen, few-bit and bin jointly, per tensor of the pack (the
+                    # gaps between tensors have a tag of their own, a row left out)
+                    code, moved = _fused.freeze_code(pack.buffer, new, fmt, self.rand_bits, pack.tags)
+                    n_rows = len(pack.names) + pack.several
+                    joint = torch.bincount(code, minlength=256 * n_rows).view(-1, 256)[:len(pack.names)]
+                    parts += [moved.reshape(1), joint.sum(0), joint.view(-1, 128, 2)[:, :, 1].sum(1)]
+        values = torch.cat(parts).tolist()           # one transfer
+        bins, at = len(RATIO_BINS) + 1, 0
+        for fmt in self.formats:
+            per_tensor, hist, moved, fewbit = [], [0] * 64, 0.0, 0
+            for pack, _ in current:
+                k = len(pack.names)
+                moved += values[at]
+                if paired and pack.several:   # the zeros in the gaps: a zero update, frozen, bin 0
+                    _, counts = _fused.fold_bytes(values[at + 1:at + 257])
+                    counts[0] -= sum(pack.pads)
+                    frozen = [f - pad for f, pad in zip(values[at + 257:at + 257 + k], pack.pads)]
+                    at += 257 + k
+                elif paired and pack.paired:
+                    frozen, counts = _fused.fold_paired(values[at + 1:at + 257], values[at + 257:at + 385])
+                    frozen = [frozen]
+                    at += 385
+                else:
+                    by_code = values[at + 1:at + 257]
+                    counts = [a + b + c + d for a, b, c, d in zip(by_code[0::4], by_code[1::4], by_code[2::4],
+                                                                  by_code[3::4])]
+                    fewbit += sum(by_code[2::4]) + sum(by_code[3::4])
+                    frozen = values[at + 257:at + 257 + k]
+                    at += 257 + k
+                per_tensor += [(name, int(f), n) for name, f, n in zip(pack.names, frozen, pack.sizes)]
+                hist = [a + b for a, b in zip(hist, counts)]
+            self._add(self.records[fmt.name], per_tensor, moved, fewbit, [int(c) for c in hist[:bins]])
 
     def _after_step_by_tensor(self) -> None:
         """Tensor by tensor with the public freeze functions (float64 or narrow tensors,

@@ -49,7 +49,25 @@ def compiled():
     failed = {k: v.failed["cpu"] for k, v in kernels.items() if "cpu" in v.failed}
     if failed:
         pytest.skip(f"torch.compile is not available here: {failed}")
-    return {name: k.compiled["cpu"] for name, k in kernels.items()}
+    return {name: k.compiled_call("cpu") for name, k in kernels.items()}
+
+
+def test_compiled_kernels_are_called_directly(compiled):
+    """Every kernel's compiled graph passed the check against the eager function and is called
+    without torch.compile's per-call checks where the arguments fit (long, contiguous, as at
+    the first call), and through them otherwise."""
+    for name, kernel in _fused._KERNELS.items():
+        assert kernel.direct_note["cpu"] == "used", (name, kernel.direct_note)
+    x = torch.randn(5 * _fused.DIRECT_NUMEL)
+    kernel = _fused._KERNELS["changed_blocks"]
+    before = dict(kernel.calls)
+    for a, b in ((x, x + 1), (x[:64 * 3], x[:64 * 3]), (x[::2], x[1::2])):   # direct, short, strided
+        want = (~torch.eq(a, b)).view(-1, _fused.BLOCK).sum(1).float()
+        assert torch.equal(compiled["changed_blocks"](a.contiguous(), b.contiguous()), want)
+        assert torch.equal(_fused.changed_blocks(a, b), want)
+    # direct: both long calls and the fixture's contiguous copies; compiled: the short and strided ones
+    assert kernel.calls["direct"] - before["direct"] == 3 and kernel.calls["compiled"] - before["compiled"] == 2
+    assert not _fused._KERNELS["nearest"].direct["cpu"].fits((x.double(), torch.zeros(9, dtype=torch.int32)))
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -284,8 +302,18 @@ def test_freeze_code_is_the_freeze_rule(compiled, key):
         assert torch.equal(paired[1::2], frozen[1::2] | (bins[1::2] << 1))
         n = len(code) // 2 * 2
         counted_frozen, hist = _fused.paired_counts(paired[:n])
-        assert counted_frozen.item() == frozen[:n].sum().item()
-        assert torch.equal(hist, torch.bincount(bins[:n], minlength=64))
+        assert counted_frozen == frozen[:n].sum().item()
+        assert hist == torch.bincount(bins[:n], minlength=64).tolist()
+        # the "bytes" layout of packs of several tensors: c << 1 | (i & 1), one bincount entry each
+        in_bytes = torch.empty_like(code)
+        compiled[name](old, new, p, in_bytes, _fused.pair_pattern(len(old), old.device, "bytes"))
+        assert torch.equal(in_bytes, ((frozen << 1) | (i & 1) | (bins.long() << 2)).to(torch.uint8))
+        counted_frozen, hist = _fused.fold_bytes(torch.bincount(in_bytes, minlength=256).tolist())
+        assert counted_frozen == frozen.sum().item() and hist == torch.bincount(bins, minlength=64).tolist()
+        n = len(code) // _fused.BLOCK * _fused.BLOCK   # the frozen elements per block, as the packs count them
+        blocks = frozen[:n].view(-1, _fused.BLOCK).sum(1).float()
+        assert torch.equal(compiled["frozen_blocks"](in_bytes[:n]), blocks)
+        assert torch.equal(_fused.frozen_blocks_u8(in_bytes[:n]), blocks)
         assert torch.equal((code & 1).bool(), frozen)
         if k is not None:
             fewbit = torch.round(ratio.clamp(max=1.0) * 2.0**k) == 0
@@ -332,6 +360,16 @@ def test_equal_count_is_torch_eq(compiled):
     assert _fused.equal_count_fp32(a, b).item() == 4000
 
 
+def test_changed_blocks_is_torch_ne(compiled):
+    a = torch.tensor([0.0, -0.0, math.nan, math.inf, -math.inf, 1.0, 2.0, math.inf] * 1000)
+    b = torch.tensor([-0.0, 0.0, math.nan, math.inf, math.inf, 1.0, 2.5, 3.0] * 1000)
+    b[::7] = a[::7]   # NaN included: it still differs
+    want = (~torch.eq(a, b)).view(-1, _fused.BLOCK).sum(1).float()
+    assert torch.equal(compiled["changed_blocks"](a, b), want)
+    assert torch.equal(_fused.changed_blocks_fp32(a, b), want)
+    assert want.sum().item() == 8000 - torch.eq(a, b).sum().item()
+
+
 def _tracked_tensors():
     torch.manual_seed(0)
     return {"a": torch.randn(300) * 3, "b": torch.rand(7, 11) + 0.5, "big": torch.randn(1 << 16) * 0.02,
@@ -353,6 +391,7 @@ def _run_trackers(trackers, tensors, steps=4):
 @pytest.mark.parametrize("rand_bits", [3, None])
 def test_packed_predictor_matches_the_tensor_by_tensor_path(mode, rand_bits):
     tensors = _tracked_tensors()
+    tensors["z"] = torch.zeros(0)   # no elements: a NaN fraction
     formats = ["bf16", "e4m3", "e5m3", "e2m1"]
     packed = FreezePredictor(tensors, formats, rand_bits=rand_bits)
     by_tensor = FreezePredictor(tensors, formats, rand_bits=rand_bits)
@@ -377,7 +416,8 @@ def test_packed_predictor_matches_the_tensor_by_tensor_path(mode, rand_bits):
         _fused.set_mode(previous)
     for f in formats:
         a, b = packed.record(f), by_tensor.record(f)
-        assert a.by_tensor == b.by_tensor and a.overall == b.overall and a.sizes == b.sizes
+        assert repr(a.by_tensor) == repr(b.by_tensor) and a.overall == b.overall and a.sizes == b.sizes
+        assert all(map(math.isnan, a.by_tensor["z"]))
         assert a.fewbit_frozen == b.fewbit_frozen
         assert a.move_fraction == pytest.approx(b.move_fraction, rel=1e-6)
         assert a.ratio_histogram == exact_hist[f].tolist()
@@ -387,6 +427,9 @@ def test_packed_predictor_matches_the_tensor_by_tensor_path(mode, rand_bits):
 @pytest.mark.parametrize("mode", ["off", "on"])
 def test_packed_observer_matches_the_tensor_by_tensor_path(mode):
     tensors = _tracked_tensors()
+    # special values (NaN never equals itself, inf does, -0 equals 0) and a tensor of no elements
+    tensors["s"] = torch.tensor([math.nan, math.inf, -0.0, 0.0, 1.0, -math.inf, math.nan])
+    tensors["z"] = torch.zeros(0)
     packed, by_tensor = FreezeObserver(tensors), FreezeObserver(tensors)
     by_tensor._packed_now = lambda: None
     with torch.no_grad():
@@ -401,8 +444,9 @@ def test_packed_observer_matches_the_tensor_by_tensor_path(mode):
             packed.after_step(), by_tensor.after_step()
     finally:
         _fused.set_mode(previous)
-    assert packed.record.by_tensor == by_tensor.record.by_tensor
+    assert repr(packed.record.by_tensor) == repr(by_tensor.record.by_tensor)   # (NaN included)
     assert packed.record.overall == by_tensor.record.overall
+    assert len(packed.record.by_tensor["s"]) == 3 and all(map(math.isnan, packed.record.by_tensor["z"]))
 
 
 def test_trackers_follow_tensors_that_appear_later():
