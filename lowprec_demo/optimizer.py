@@ -166,11 +166,13 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
                     for t in members:
                         t.copy_(self._round(t, fmt, rounding))
                 continue
-            torch.cat([t.view(-1) for t in members], out=flat)
-            self._store_flat(flat, fmt, rounding, policy)
-            if hasattr(torch, "_foreach_copy_"):
+            if hasattr(torch, "_foreach_copy_"):   # one call each way
+                torch._foreach_copy_(views, members)
+                self._store_flat(flat, fmt, rounding, policy)
                 torch._foreach_copy_(members, views)
             else:
+                torch.cat([t.view(-1) for t in members], out=flat)
+                self._store_flat(flat, fmt, rounding, policy)
                 for t, v in zip(members, views):
                     t.copy_(v)
 

@@ -237,6 +237,7 @@ class _StepTracker:
         self._before: Dict[str, torch.Tensor] = {}
         self._layout: Optional[tuple] = None
         self._packs: List[_Pack] = []
+        self._views: Dict[str, torch.Tensor] = {}
 
     def _current(self) -> Dict[str, torch.Tensor]:
         return {k: v for k, v in named_tensors(self._source).items() if torch.is_tensor(v)}
@@ -256,12 +257,13 @@ class _StepTracker:
             self._packs = [_Pack([names[i] for i in group], [tensors[i] for i in group])
                            for group in _fused.pack(tensors)]
             self._layout = layout
+            self._views = {name: view for pack in self._packs for name, view in zip(pack.names, pack.views)}
         values = list(current.values())
         start = 0
         for pack in self._packs:
             pack.snapshot(values[start:start + len(pack.names)])
             start += len(pack.names)
-        self._before = {name: view for pack in self._packs for name, view in zip(pack.names, pack.views)}
+        self._before = self._views
 
     def _pairs(self):
         now = self._current()
