@@ -44,7 +44,11 @@ Freeze statistics (``freeze_code_fp32``)
     two counters. The paired kernel comes in three variants, chosen by the format
     (:func:`paired_kernel`): divisions by the gap with two scaling factors (bf16, whose smallest
     gaps are below 2**-127), with one (fp16 and the 8-bit formats), and with the infinite gap at
-    inf of formats without mantissa bits.
+    inf of formats without mantissa bits. A pack of a model's small tensors takes the same
+    kernel with another layout (``"bytes"``: one code per entry, 256 bins, lanes alternating
+    element by element) and counts its frozen elements per block of 64
+    (:func:`frozen_blocks_u8`; :func:`changed_blocks_fp32` counts the changed ones for the
+    observer), each tensor of the pack starting at a block's start.
 
 When is the compiled version used?
     ``LOWPREC_FUSED`` (environment) or :func:`set_mode`: ``"off"`` never, ``"on"`` for every
@@ -54,7 +58,10 @@ When is the compiled version used?
     once inductor's disk cache is warm), so it is paid only when the eager work it saves would
     have cost about as much: a chapter that rounds a few small tensors never waits for it,
     a GPT-2 step compiles at once. If compilation fails (no C++ compiler, an unsupported
-    platform), the eager path is used from then on and :func:`status` says why.
+    platform), the eager path is used from then on and :func:`status` says why. Once compiled,
+    calls of at least :data:`DIRECT_NUMEL` elements that match the first call's kind of
+    arguments go straight to the compiled graph (:class:`_Direct`), past the per-call checks
+    of ``torch.compile`` that cost as much as the kernel on a small model.
 
 Example:
     >>> import torch

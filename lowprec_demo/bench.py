@@ -81,13 +81,14 @@ def _sync(device: str) -> None:
 
 
 def _rounds(cases: Dict[str, Callable[[], object]], device: str, repeats: int, warmup: int = 1,
-            min_seconds: float = 0.0) -> Dict[str, float]:
+            min_seconds: float = 0.0, per_round: Optional[dict] = None) -> Dict[str, float]:
     """Median seconds of each case. Every round runs every case, starting one case later each
     round, so that neither a changing machine load nor the position in the round (caches warmed
     by the case before) favours one case. A case faster than ``min_seconds`` runs several times
     in a row within a round (as many as the slowest case of the warmup needs to last that long,
     the same for every case), and its time is the mean of those runs: short steps are timed
-    over a span long enough for the clock and the scheduler."""
+    over a span long enough for the clock and the scheduler. ``per_round``, if given, receives
+    every case's time in every round (a list per case, in round order)."""
     slowest = 0.0
     for _ in range(warmup):
         for fn in cases.values():
@@ -108,6 +109,8 @@ def _rounds(cases: Dict[str, Callable[[], object]], device: str, repeats: int, w
                 fn()
             _sync(device)
             times[name].append((time.perf_counter() - start) / inner)
+    if per_round is not None:
+        per_round.update(times)
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
@@ -308,7 +311,8 @@ def bench_training(model_name: str, device: str, repeats: int, variants=VARIANTS
                 tracker.after_step()
         return step
     cases = {v: step_of(*setups[v]) for v in variants}
-    times = _rounds(cases, device, repeats, min_seconds=STEP_SECONDS)
+    rounds: Dict[str, List[float]] = {}
+    times = _rounds(cases, device, repeats, min_seconds=STEP_SECONDS, per_round=rounds)
     # the added work alone (no forward, backward or AdamW around it): less noisy than a
     # difference of whole steps, though a little cheaper than inside a step (warmer caches).
     # The trackers see a real update: the weights before and after one plain AdamW step are
@@ -354,7 +358,9 @@ def bench_training(model_name: str, device: str, repeats: int, variants=VARIANTS
     return {"model": model_name, "params": n_params, "lowprec_params": sum(p.numel() for p in lowprec.values()),
             "format": fmt, "batch": spec["batch"], "context": spec["context"],
             "step_ms": {v: t * 1e3 for v, t in times.items()},
-            "ratio": {v: times[v] / times["plain"] for v in variants},
+            # the ratio within each round (the variant and the plain step timed minutes apart at
+            # most, under the same load), the median over rounds
+            "ratio": {v: statistics.median(a / b for a, b in zip(rounds[v], rounds["plain"])) for v in variants},
             "added_alone_ms": {v: alone[v] * 1e3 for v in variants},
             "ratio_from_parts": {v: 1 + alone[v] / times["plain"] for v in variants},
             "memory_MB": {"parameters": n_params * 4 / 2**20, "optimizer_state": state / 2**20},
@@ -570,7 +576,7 @@ def run(device: str = "cpu", quick: bool = False, size: Optional[int] = None, re
     for name in models:
         say(f"training steps: {name} ...")
         # small models: many short rounds (their steps are milliseconds); GPT-2 on a CPU: a few
-        train_repeats = (3 if quick else 5) if (name == "gpt2" and not on_gpu) else (15 if quick else 40)
+        train_repeats = (3 if quick else 9) if (name == "gpt2" and not on_gpu) else (15 if quick else 40)
         previous = _fused.set_mode("on")
         try:
             t = bench_training(name, device, train_repeats)
