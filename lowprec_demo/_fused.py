@@ -619,7 +619,11 @@ class _Kernel:
             return self._eager(args, eager)
         direct = self.direct.get(device_type)
         if direct is not None and direct.fits(args):
-            return self._direct(direct, args)
+            try:
+                return self._direct(direct, args)
+            except Exception as error:   # (its input checks run before it writes anything)
+                self.direct.pop(device_type, None)
+                self.direct_note[device_type] = f"dropped after {type(error).__name__}: {str(error).strip()[:200]}"
         fn = self.compiled.get(device_type)
         try:
             if fn is not None and not torch.is_grad_enabled():

@@ -167,7 +167,7 @@ class _Pack:
     In a pack of several tensors each tensor starts at a multiple of
     :data:`lowprec_demo._fused.BLOCK` elements and zeros fill the gaps (the same zeros in every
     buffer of the pack): the kernels count per block, and a tensor's count is the sum of its
-    blocks' (a cumulative sum over blocks, not over elements)."""
+    blocks' (one weighted bincount over the blocks, not an operation over the elements)."""
 
     def __init__(self, names: List[str], tensors: List[torch.Tensor]) -> None:
         self.names = names

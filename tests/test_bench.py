@@ -70,6 +70,29 @@ def test_compiled_kernels_are_called_directly(compiled):
     assert not _fused._KERNELS["nearest"].direct["cpu"].fits((x.double(), torch.zeros(9, dtype=torch.int32)))
 
 
+def test_a_failing_direct_call_falls_back_to_the_compiled_function(compiled):
+    kernel = _fused._KERNELS["changed_blocks"]
+    direct, note = kernel.direct["cpu"], kernel.direct_note["cpu"]
+
+    class Failing:
+        def __getattr__(self, name):
+            return getattr(direct, name)
+
+        def __call__(self, args):
+            raise AssertionError("expected size")
+    try:
+        kernel.direct["cpu"] = Failing()
+        a = torch.randn(4 * _fused.DIRECT_NUMEL)
+        b = a.clone()
+        b[::3] += 1
+        want = (~torch.eq(a, b)).view(-1, _fused.BLOCK).sum(1).float()
+        assert torch.equal(_fused.changed_blocks(a, b), want)
+        assert "cpu" not in kernel.direct and kernel.direct_note["cpu"].startswith("dropped after AssertionError")
+        assert torch.equal(_fused.changed_blocks(a, b), want)
+    finally:
+        kernel.direct["cpu"], kernel.direct_note["cpu"] = direct, note
+
+
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal bit patterns, any NaN matching any NaN."""
     a, b = a.reshape(-1), b.reshape(-1)
