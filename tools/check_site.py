@@ -351,11 +351,26 @@ def check_page(
     url = f"{origin}/{rel}"
     try:
         page.goto(url, wait_until="load", timeout=60_000)
-        page.wait_for_timeout(300)  # late errors from deferred scripts
-        images = page.evaluate(IMAGE_STATE_JS)
-        links = page.evaluate(LINKS_JS)
-        live_ids = set(page.evaluate(IDS_JS))
-        final_url = page.url
+        images, links, live_ids = [], [], set()
+        for _ in range(20):
+            # late errors from deferred scripts; and a page that sends the browser on (the
+            # site's index.html, by a meta refresh) is read once the page it leads to has
+            # loaded and the address stays put, so that links and ids come from one document
+            final_url = page.url
+            page.wait_for_timeout(300)
+            page.wait_for_load_state("load", timeout=60_000)
+            try:
+                images = page.evaluate(IMAGE_STATE_JS)
+                links = page.evaluate(LINKS_JS)
+                live_ids = set(page.evaluate(IDS_JS))
+            except Exception as exc:  # the page went on while it was read: read the next one
+                if "context was destroyed" not in str(exc) and "navigat" not in str(exc):
+                    raise
+                continue
+            if page.url == final_url:
+                break
+        else:
+            result.failures.append(f"the page kept moving on (last at {page.url})")
         shot = shots / (rel.replace("/", "__").removesuffix(".html") + ".png")
         page.screenshot(path=str(shot), full_page=full_page)
         result.screenshot = str(shot)
