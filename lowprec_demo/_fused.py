@@ -92,7 +92,7 @@ __all__ = ["status", "set_mode", "get_mode", "compile_all", "nearest_params", "s
            "pair_pattern",
            "equal_count_fp32", "nearest", "nearest_", "stochastic", "stochastic_", "freeze_code",
            "equal_count", "changed_blocks_fp32", "frozen_blocks_u8", "changed_blocks", "frozen_blocks",
-           "pack", "fits", "MODES", "CODE_BINS", "BLOCK"]
+           "pack", "copy_into", "fits", "MODES", "CODE_BINS", "BLOCK"]
 
 MODES = ("auto", "on", "off")
 EAGER_BUDGET = 1 << 25         # "auto": compile once this many elements went through eagerly
@@ -536,21 +536,23 @@ class _Direct:
             return None, f"{len(graphs)} graphs"
         gm, compiled = graphs[0]
         names = list(inspect.signature(fn).parameters)
-        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        tensors, getters = {}, []
-        for node in placeholders:
-            value = node.meta.get("example_value")
-            match = re.fullmatch(r"l_(\w+)_", node.name)
-            if torch.is_tensor(value) and match and match.group(1) in names:
-                tensors[names.index(match.group(1))] = [str(size) for size in value.shape]
-        for node in placeholders:
-            value = node.meta.get("example_value")
-            if torch.is_tensor(value):
-                getters.append((names.index(re.fullmatch(r"l_(\w+)_", node.name).group(1)), None))
+        inputs = []   # per placeholder: (the argument it is, or None for a length; its example value)
+        for node in gm.graph.nodes:
+            if node.op == "placeholder":
+                value = node.meta.get("example_value")
+                match = re.fullmatch(r"l_(\w+)_", node.name)
+                if torch.is_tensor(value) and not (match and match.group(1) in names):
+                    return None, f"an input it cannot name: {node.name}"
+                inputs.append((names.index(match.group(1)) if torch.is_tensor(value) else None, value, node.name))
+        sizes = {i: [str(size) for size in value.shape] for i, value, _ in inputs if i is not None}
+        getters = []
+        for i, value, name in inputs:
+            if i is not None:
+                getters.append((i, None))
                 continue
-            where = [(i, d) for i, sizes in tensors.items() for d, size in enumerate(sizes) if size == str(value)]
+            where = [(j, d) for j, dims in sizes.items() for d, size in enumerate(dims) if size == str(value)]
             if not isinstance(value, torch.SymInt) or not where:
-                return None, f"an input it cannot name: {node.name}"
+                return None, f"an input it cannot name: {name}"
             getters.append(where[0])
         if sorted(i for i, d in getters if d is None) != list(range(len(args))):
             return None, "not every argument is a tensor input of the graph"
@@ -567,8 +569,7 @@ class _Direct:
         want_args, got_args = copies(), copies()
         want = fn(*want_args)
         outputs = "none" if want is None else "tensor" if torch.is_tensor(want) else "tuple"
-        direct = cls(compiled, getters, [(a.dtype, length) for a, (_, length) in zip(args, specs)], outputs,
-                     multiple, args[0].device)
+        direct = cls(compiled, getters, specs, outputs, multiple, args[0].device)
         got = direct(got_args)
         flat_want = [] if want is None else [want] if torch.is_tensor(want) else list(want)
         flat_got = [] if got is None else [got] if torch.is_tensor(got) else list(got)
@@ -883,6 +884,15 @@ def paired_counts(out: torch.Tensor) -> tuple:
 SMALL_NUMEL = 1 << 16      # tensors below this size are packed together, one kernel call each pack
 PACK_NUMEL = 1 << 20       # the most elements in one pack
 PACK_TENSORS = 256         # the most tensors in one pack
+
+
+def copy_into(targets: list, sources: list) -> None:
+    """``t.copy_(s)`` for each pair, in one call where torch has ``_foreach_copy_``."""
+    if len(targets) > 1 and hasattr(torch, "_foreach_copy_"):
+        torch._foreach_copy_(targets, sources)
+    else:
+        for t, s in zip(targets, sources):
+            t.copy_(s)
 
 
 def pack(tensors: list) -> list:

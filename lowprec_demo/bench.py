@@ -16,14 +16,14 @@ Measures in one run, side by side, and prints tables with ratios:
 * how the costs grow: ``quantize`` against tensor size, and the tracked step against model size;
 * the one-time cost of compiling the fused kernels.
 
-Timings are medians over rounds in which every variant runs once (a training step shorter than
-a quarter of a second several times in a row), so a machine whose load changes during the run
-slows all of them alike; a training step's ratio to the plain step is the median over the
-rounds of the ratio within each round. The tables end with a summary of every ratio against the performance
-targets (:data:`TARGETS`). ``--device cuda`` runs the same on a GPU; ``--quick`` is a small
-version (under a minute on a CPU; about a minute on a GPU, compilation included); ``--out``
-writes everything as JSON (atomically), and ``--summary-of FILE`` prints the tables of such a
-file again without measuring.
+Timings are medians over rounds in which every variant runs once (a training step shorter than a
+quarter of a second several times in a row), so a machine whose load changes during the run
+slows all of them alike; a training step's ratio to the plain step is the median over the rounds
+of the ratio within each round. The tables end with a summary of every ratio against the
+performance targets (:data:`TARGETS`). ``--device cuda`` runs the same on a GPU; ``--quick`` is
+a small version (under a minute on a CPU; about a minute on a GPU, compilation included);
+``--out`` writes everything as JSON (atomically), and ``--summary-of FILE`` prints the tables of
+such a file again without measuring.
 
 Example:
     ``python -m lowprec_demo.bench --threads 1 --out bench.json``

@@ -166,15 +166,9 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
                     for t in members:
                         t.copy_(self._round(t, fmt, rounding))
                 continue
-            if hasattr(torch, "_foreach_copy_"):   # one call each way
-                torch._foreach_copy_(views, members)
-                self._store_flat(flat, fmt, rounding, policy)
-                torch._foreach_copy_(members, views)
-            else:
-                torch.cat([t.view(-1) for t in members], out=flat)
-                self._store_flat(flat, fmt, rounding, policy)
-                for t, v in zip(members, views):
-                    t.copy_(v)
+            _fused.copy_into(views, members)
+            self._store_flat(flat, fmt, rounding, policy)
+            _fused.copy_into(members, views)
 
     def _pack_plan(self, tensors: list) -> list:
         """``(members, flat, views)`` per pack of :func:`lowprec_demo._fused.pack`: ``flat`` a

@@ -150,15 +150,6 @@ def freeze_order(record: FreezeRecord, threshold: float) -> List[tuple]:
     return sorted(steps.items(), key=lambda kv: (kv[1] is None, kv[1] if kv[1] is not None else 0, kv[0]))
 
 
-def _copy_into(targets: List[torch.Tensor], sources: List[torch.Tensor]) -> None:
-    """``t.copy_(s)`` for each pair, in one call where torch has ``_foreach_copy_``."""
-    if len(targets) > 1 and hasattr(torch, "_foreach_copy_"):
-        torch._foreach_copy_(targets, sources)
-    else:
-        for t, s in zip(targets, sources):
-            t.copy_(s)
-
-
 class _Pack:
     """Tracked tensors that share one flat snapshot buffer: a large tensor alone, or a run of
     small ones (see :func:`lowprec_demo._fused.pack`), so that a step costs a few operations
@@ -182,24 +173,30 @@ class _Pack:
         self.views = [v[:n].view(shape) for v, n, shape in zip(self.buffer.split(self.spans), self.sizes, self.shapes)]
         self._now: Optional[torch.Tensor] = None
         self._codes: Optional[torch.Tensor] = None
-        self.tags = None
+        self._tags: Optional[torch.Tensor] = None
         if self.several:
             # the tensor of each block, for per-tensor sums of per-block counts
             self._block_tensor = torch.repeat_interleave(
                 torch.arange(len(names), device=device), torch.tensor(self.spans, device=device) // block)
-            # the tensor of each element, shifted into the high byte, for one bincount of every
-            # code; the gaps get the index one past the last tensor (a row of counts left out)
-            self.tags = torch.full((self.buffer.numel(),), len(names) << 8, dtype=torch.int32, device=device)
-            for i, tag in enumerate(self.tags.split(self.spans)):
-                tag[:self.sizes[i]] = i << 8
         # one tensor of an even number of elements: the codes can be counted two per bincount
         # entry (several tensors: one per entry, in 256 bins, see _after_step_packed)
         self.paired = not self.several and self.buffer.numel() % 2 == 0 and _fused.PAIRED_BINCOUNT
 
     def held_bytes(self) -> int:
         """The memory this pack keeps from step to step."""
-        return sum(t.numel() * t.element_size() for t in (self.buffer, self._now, self._codes, self.tags)
+        return sum(t.numel() * t.element_size() for t in (self.buffer, self._now, self._codes, self._tags)
                    if t is not None)
+
+    def tags(self) -> Optional[torch.Tensor]:
+        """For several tensors (else None): the tensor of each element, shifted into the high
+        byte, for one bincount of every code; the gaps get the index one past the last tensor
+        (a row of counts left out). Made when first asked for (few-bit prediction only)."""
+        if self.several and self._tags is None:
+            self._tags = torch.full((self.buffer.numel(),), len(self.names) << 8, dtype=torch.int32,
+                                    device=self.buffer.device)
+            for i, tag in enumerate(self._tags.split(self.spans)):
+                tag[:self.sizes[i]] = i << 8
+        return self._tags
 
     def codes(self) -> torch.Tensor:
         """A uint8 buffer of one code per element, kept for the next steps (allocated when first
@@ -214,7 +211,7 @@ class _Pack:
         return torch.bincount(self._block_tensor, weights=blocks, minlength=len(self.names))
 
     def snapshot(self, tensors: List[torch.Tensor]) -> None:
-        _copy_into(self.views, tensors)
+        _fused.copy_into(self.views, tensors)
 
     def flat(self, tensors: List[torch.Tensor]) -> torch.Tensor:
         """The tensors' current values, flat, in the buffer's layout (for several tensors a
@@ -225,7 +222,7 @@ class _Pack:
             self._now = torch.zeros_like(self.buffer)
             self._now_views = [v[:n].view(shape) for v, n, shape in
                                zip(self._now.split(self.spans), self.sizes, self.shapes)]
-        _copy_into(self._now_views, tensors)
+        _fused.copy_into(self._now_views, tensors)
         return self._now
 
 
@@ -421,7 +418,7 @@ class FreezePredictor(_StepTracker):
                 else:
                     # one bincount: frozen, few-bit and bin jointly, per tensor of the pack (the
                     # gaps between tensors have a tag of their own, a row left out)
-                    code, moved = _fused.freeze_code(pack.buffer, new, fmt, self.rand_bits, pack.tags)
+                    code, moved = _fused.freeze_code(pack.buffer, new, fmt, self.rand_bits, pack.tags())
                     n_rows = len(pack.names) + pack.several
                     joint = torch.bincount(code, minlength=256 * n_rows).view(-1, 256)[:len(pack.names)]
                     parts += [moved.reshape(1), joint.sum(0), joint.view(-1, 128, 2)[:, :, 1].sum(1)]
