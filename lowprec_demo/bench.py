@@ -19,7 +19,8 @@ Measures in one run, side by side, and prints tables with ratios:
 Timings are medians over rounds in which every variant runs once (a training step shorter than a
 quarter of a second several times in a row), so a machine whose load changes during the run
 slows all of them alike; a training step's ratio to the plain step is the median over the rounds
-of the ratio within each round. The tables end with a summary of every ratio against the
+of the ratio within each round (the tables show the quartiles of those ratios too: how far they
+move from round to round on the machine). The tables end with a summary of every ratio against the
 performance targets (:data:`TARGETS`). ``--device cuda`` runs the same on a GPU; ``--quick`` is
 a small version (under a minute on a CPU; about a minute on a GPU, compilation included);
 ``--out`` writes everything as JSON (atomically), and ``--summary-of FILE`` prints the tables of
@@ -362,6 +363,7 @@ def bench_training(model_name: str, device: str, repeats: int, variants=VARIANTS
             # the ratio within each round (the variant and the plain step timed minutes apart at
             # most, under the same load), the median over rounds
             "ratio": {v: statistics.median(a / b for a, b in zip(rounds[v], rounds["plain"])) for v in variants},
+            "ratio_rounds": {v: [a / b for a, b in zip(rounds[v], rounds["plain"])] for v in variants},
             "added_alone_ms": {v: alone[v] * 1e3 for v in variants},
             "ratio_from_parts": {v: 1 + alone[v] / times["plain"] for v in variants},
             "memory_MB": {"parameters": n_params * 4 / 2**20, "optimizer_state": state / 2**20},
@@ -411,6 +413,17 @@ def _table(headers: List[str], rows: List[list]) -> str:
     def line(cells):
         return "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths)) + " |"
     return "\n".join([line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in rows])
+
+
+def _spread(t: dict, variant: str) -> str:
+    """The lower and upper quartiles of a variant's per-round ratios (how far the ratio moves
+    from round to round on this machine), "-" where the result has no rounds (older runs, or
+    fewer than two)."""
+    ratios = (t.get("ratio_rounds") or {}).get(variant) or []
+    if len(ratios) < 2:
+        return "-"
+    low, _, high = statistics.quantiles(ratios, n=4, method="inclusive")
+    return f"{low:.3f}-{high:.3f}"
 
 
 def _fmt(value, digits=2) -> str:
@@ -466,11 +479,11 @@ def report(result: dict) -> str:
     for t in result.get("training", []):
         out.append(f"\n## Training step: {t['model']} ({t['params'] / 1e6:.2f}M parameters, {t['format']} on "
                    f"{t['lowprec_params'] / 1e6:.2f}M of them, batch {t['batch']} x {t['context']} tokens)")
-        rows = [[v, _fmt(t["step_ms"][v], 1), _fmt(t["ratio"][v], 3), _fmt(t["added_alone_ms"][v], 1),
+        rows = [[v, _fmt(t["step_ms"][v], 1), _fmt(t["ratio"][v], 3), _spread(t, v), _fmt(t["added_alone_ms"][v], 1),
                  _fmt(t["ratio_from_parts"][v], 3), _fmt(t["peak_extra_MB"][v], 0), _fmt(t["held_MB"][v], 0)]
                 for v in t["step_ms"]]
-        out.append(_table(["variant", "step ms", "ratio to plain", "added work alone, ms", "1 + alone / plain",
-                           "peak MB in the step", "MB held between steps"], rows))
+        out.append(_table(["variant", "step ms", "ratio to plain", "middle half of rounds", "added work alone, ms",
+                           "1 + alone / plain", "peak MB in the step", "MB held between steps"], rows))
         out.append(f"(parameters {t['memory_MB']['parameters']:.0f} MB, AdamW state "
                    f"{t['memory_MB']['optimizer_state']:.0f} MB; peak: the most the step allocates beyond them, "
                    f"gradients and activations included; held: snapshot copies of the tracked tensors and packs)")
@@ -540,9 +553,9 @@ def summary(result: dict) -> str:
                 limit = TARGETS["stochastic step" if v == "stochastic" else v]
                 step, parts = t["ratio"][v], t["ratio_from_parts"][v]
                 rows.append([t["model"], v, _fmt(t["step_ms"]["plain"], 1), _fmt(t["step_ms"][v], 1), _fmt(step, 3),
-                             _fmt(parts, 3), f"<= {limit:g}", f"{_met(step, limit)} / {_met(parts, limit)}"])
-        out.append(_table(["training step", "variant", "plain ms", "variant ms", "ratio", "1 + added alone / plain",
-                           "target", "met (ratio / alone)"], rows))
+                             _spread(t, v), _fmt(parts, 3), f"<= {limit:g}", f"{_met(step, limit)} / {_met(parts, limit)}"])
+        out.append(_table(["training step", "variant", "plain ms", "variant ms", "ratio", "middle half of rounds",
+                           "1 + added alone / plain", "target", "met (ratio / alone)"], rows))
     return "\n".join(out)
 
 
@@ -577,7 +590,7 @@ def run(device: str = "cpu", quick: bool = False, size: Optional[int] = None, re
     for name in models:
         say(f"training steps: {name} ...")
         # small models: many short rounds (their steps are milliseconds); GPT-2 on a CPU: a few
-        train_repeats = (3 if quick else 9) if (name == "gpt2" and not on_gpu) else (15 if quick else 40)
+        train_repeats = (3 if quick else 15) if (name == "gpt2" and not on_gpu) else (15 if quick else 40)
         previous = _fused.set_mode("on")
         try:
             t = bench_training(name, device, train_repeats)

@@ -601,6 +601,14 @@ def test_benchmark_runs_at_tiny_sizes(tmp_path, capsys, monkeypatch):
         bench.main(["--summary-of", str(tmp_path / "missing.json")])
 
 
+def test_spread_is_the_quartiles_of_the_per_round_ratios():
+    t = {"ratio_rounds": {"nearest": [1.30, 1.00, 1.10, 1.20, 1.05], "stochastic": [1.2]}}
+    assert bench._spread(t, "nearest") == "1.050-1.200"
+    assert bench._spread(t, "stochastic") == "-"          # one round: no spread
+    assert bench._spread({}, "nearest") == "-"            # a run stored before the rounds were kept
+    assert bench._spread(t, "plain+predictor") == "-"
+
+
 def test_rounds_times_short_cases_over_several_runs(monkeypatch):
     """On a clock that only the cases move (2 and 3 ms a call), the warmup's slowest case sets
     the runs per round (ceil(20 / 3) = 7, the same for both) and each time is one call's."""
