@@ -869,7 +869,9 @@ def fold_paired(even: list, odd: list) -> tuple:
 def fold_bytes(counts: list) -> tuple:
     """The frozen count and the histogram of the 64 bin values from the 256 counts per
     (bin, frozen, lane) of codes in the ``"bytes"`` layout (``torch.bincount(out,
-    minlength=256)``), or of the even elements in the paired one."""
+    minlength=256)``), or of the even elements in the paired one. (In general: of 256 counts
+    per byte, the count of the bytes with bit 1 set and the histogram of bits 2-7; for the
+    codes of :func:`freeze_code_fp32` that is the few-bit count.)"""
     frozen = sum(counts[2::4]) + sum(counts[3::4])
     return frozen, [a + b + c + d for a, b, c, d in zip(counts[0::4], counts[1::4], counts[2::4], counts[3::4])]
 

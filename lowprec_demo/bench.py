@@ -355,15 +355,16 @@ def bench_training(model_name: str, device: str, repeats: int, variants=VARIANTS
     for v in variants:   # each from the same state: gradients released, optimizer state made
         inner.zero_grad(set_to_none=True)
         peaks[v] = _peak_extra_bytes(cases[v], device)
+    # the ratio within each round (the variant and the plain step timed minutes apart at most,
+    # under the same load); the reported ratio is their median
+    ratios = {v: [a / b for a, b in zip(rounds[v], rounds["plain"])] for v in variants}
     n_params = sum(p.numel() for p in model.parameters())
     state = sum(t.numel() * t.element_size() for s in inner.state.values() for t in s.values() if torch.is_tensor(t))
     return {"model": model_name, "params": n_params, "lowprec_params": sum(p.numel() for p in lowprec.values()),
             "format": fmt, "batch": spec["batch"], "context": spec["context"],
             "step_ms": {v: t * 1e3 for v, t in times.items()},
-            # the ratio within each round (the variant and the plain step timed minutes apart at
-            # most, under the same load), the median over rounds
-            "ratio": {v: statistics.median(a / b for a, b in zip(rounds[v], rounds["plain"])) for v in variants},
-            "ratio_rounds": {v: [a / b for a, b in zip(rounds[v], rounds["plain"])] for v in variants},
+            "ratio": {v: statistics.median(r) for v, r in ratios.items()},
+            "ratio_rounds": ratios,
             "added_alone_ms": {v: alone[v] * 1e3 for v in variants},
             "ratio_from_parts": {v: 1 + alone[v] / times["plain"] for v in variants},
             "memory_MB": {"parameters": n_params * 4 / 2**20, "optimizer_state": state / 2**20},

@@ -170,7 +170,7 @@ class _Pack:
         self.spans = [-(-n // block) * block for n in self.sizes] if self.several else list(self.sizes)
         self.pads = [s - n for s, n in zip(self.spans, self.sizes)]
         self.buffer = torch.zeros(sum(self.spans), dtype=tensors[0].dtype, device=device)
-        self.views = [v[:n].view(shape) for v, n, shape in zip(self.buffer.split(self.spans), self.sizes, self.shapes)]
+        self.views = self._views_of(self.buffer)
         self._now: Optional[torch.Tensor] = None
         self._codes: Optional[torch.Tensor] = None
         self._tags: Optional[torch.Tensor] = None
@@ -181,6 +181,10 @@ class _Pack:
         # one tensor of an even number of elements: the codes can be counted two per bincount
         # entry (several tensors: one per entry, in 256 bins, see _after_step_packed)
         self.paired = not self.several and self.buffer.numel() % 2 == 0 and _fused.PAIRED_BINCOUNT
+
+    def _views_of(self, buffer: torch.Tensor) -> List[torch.Tensor]:
+        """The pieces of a buffer in this pack's layout, shaped like the tensors."""
+        return [v[:n].view(shape) for v, n, shape in zip(buffer.split(self.spans), self.sizes, self.shapes)]
 
     def held_bytes(self) -> int:
         """The memory this pack keeps from step to step."""
@@ -220,8 +224,7 @@ class _Pack:
             return tensors[0].reshape(-1)
         if self._now is None:
             self._now = torch.zeros_like(self.buffer)
-            self._now_views = [v[:n].view(shape) for v, n, shape in
-                               zip(self._now.split(self.spans), self.sizes, self.shapes)]
+            self._now_views = self._views_of(self._now)
         _fused.copy_into(self._now_views, tensors)
         return self._now
 
@@ -439,10 +442,8 @@ class FreezePredictor(_StepTracker):
                     frozen = [frozen]
                     at += 385
                 else:
-                    by_code = values[at + 1:at + 257]
-                    counts = [a + b + c + d for a, b, c, d in zip(by_code[0::4], by_code[1::4], by_code[2::4],
-                                                                  by_code[3::4])]
-                    fewbit += sum(by_code[2::4]) + sum(by_code[3::4])
+                    few, counts = _fused.fold_bytes(values[at + 1:at + 257])   # bit 1: the few-bit flag
+                    fewbit += few
                     frozen = values[at + 257:at + 257 + k]
                     at += 257 + k
                 per_tensor += [(name, int(f), n) for name, f, n in zip(pack.names, frozen, pack.sizes)]
