@@ -1,22 +1,32 @@
 #!/usr/bin/env bash
-# Run every test: the test suite under tests/, then every chapter notebook with nbval.
+# Run every test: the stored chapter outputs are current, the test suite under tests/, then every
+# chapter notebook with nbval.
 #
 #   ./tools/run_tests.sh [extra pytest arguments for the test suite]
 #
 # Uses .venv when it exists and no virtual environment is active. Chapters run at LOWPREC_SCALE
-# (default quick). nbval runs in lax mode: a cell fails only if it raises, or if it is marked
-# `# NBVAL_CHECK_OUTPUT` and its output changed.
+# (default quick), on OMP_NUM_THREADS threads (default 1: the chapters' tensors are small, and on a
+# 2-core machine two threads that wait on each other make them several times slower). nbval runs
+# in lax mode: a cell fails if it raises, or if it is marked `# NBVAL_CHECK_OUTPUT` and its output
+# differs from the one stored in the notebook.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+start=$(date +%s)
+elapsed() { echo "$(( $(date +%s) - start )) s"; }
 
 if [ -z "${VIRTUAL_ENV:-}" ] && [ -f .venv/bin/activate ]; then
     # shellcheck disable=SC1091
     . .venv/bin/activate
 fi
 export LOWPREC_SCALE=${LOWPREC_SCALE:-quick}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
-echo "== test suite (tests/)"
-python -m pytest tests "$@"
+status=0
+echo "== stored chapter outputs (tools/stored_outputs.py check)"
+python tools/stored_outputs.py check || status=1
+
+echo "== test suite (tests/) [$(elapsed)]"
+python -m pytest tests "$@" || status=1
 
 notebooks=()
 while IFS= read -r -d '' nb; do
@@ -26,6 +36,12 @@ done < <(find book -name '*.ipynb' -not -path '*/.ipynb_checkpoints/*' -not -pat
 if [ ${#notebooks[@]} -eq 0 ]; then
     echo "== nbval: no chapter notebook under book/ yet, nothing to execute"
 else
-    echo "== chapters with nbval (${#notebooks[@]} notebooks, LOWPREC_SCALE=$LOWPREC_SCALE)"
-    python -m pytest --nbval-lax --nbval-current-env --nbval-cell-timeout=600 -p no:cacheprovider "${notebooks[@]}"
+    echo "== chapters with nbval (${#notebooks[@]} notebooks, LOWPREC_SCALE=$LOWPREC_SCALE) [$(elapsed)]"
+    python -m pytest --nbval-lax --nbval-current-env --nbval-cell-timeout=600 -p no:cacheprovider "${notebooks[@]}" || status=1
 fi
+if [ $status -ne 0 ]; then
+    echo "== FAILED after $(elapsed) (see above)"
+else
+    echo "== all passed in $(elapsed)"
+fi
+exit $status
