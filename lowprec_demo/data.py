@@ -3,13 +3,21 @@
 Where files come from, in this order:
 
 1. ``$LOWPREC_DATA_DIR/<file>``, a folder of local copies (CI points it at a read-only folder);
+   a relative ``LOWPREC_DATA_DIR`` is resolved once per process, against the current folder or,
+   when it does not exist there, against the root of the checkout that holds this package (so
+   ``LOWPREC_DATA_DIR=../shared/data``, set at the repository root, also holds for notebooks that
+   run in ``book/``): see :func:`data_dir`;
 2. ``$LOWPREC_CACHE_DIR/<file>`` (default ``~/.cache/lowprec_demo``), filled by earlier downloads;
 3. a download from the file's public location into the cache.
 
 Every file is checked against a known sha256 before it is used. A wrong local copy is an error;
 a wrong cache copy is deleted and fetched again. When nothing can be fetched (no network, or
 ``LOWPREC_OFFLINE=1``, which forbids any network access) each loader falls back to data that every
-machine has, warns, and says so in the ``source`` of what it returns.
+machine has, warns with a :class:`DataFallbackWarning`, and says so in the ``source`` of what it
+returns. Sources name files by their name and the place they came from, never by a path of the
+machine, so that a notebook's stored output reads the same everywhere; a ``DataFallbackWarning``
+is printed as ``DataFallbackWarning: message``, without the file and line of the code that
+raised it (other warnings keep Python's format).
 
 Example::
 
@@ -89,7 +97,31 @@ class DataUnavailableError(RuntimeError):
 
 
 class DataFallbackWarning(UserWarning):
-    """A loader is using its offline stand-in instead of the requested data."""
+    """A loader is using its offline stand-in instead of the requested data, or a data setting
+    (``LOWPREC_DATA_DIR``) points at nothing it can use."""
+
+
+def _install_warning_format() -> None:
+    """Print a DataFallbackWarning as ``DataFallbackWarning: message`` (one line, no file:line
+    prefix and no source line); every other warning is formatted as before. Installed once, on
+    import; catching the warnings (``warnings.catch_warnings``, ``pytest.warns``) is unaffected."""
+    previous = warnings.formatwarning
+    if getattr(previous, "_lowprec_demo", False):
+        return
+    module_globals = globals()
+
+    def formatwarning(message, category, filename, lineno, line=None):
+        # looked up at call time, so that a reloaded module's class is the one recognized
+        fallback = module_globals.get("DataFallbackWarning")
+        if isinstance(category, type) and fallback is not None and issubclass(category, fallback):
+            return f"{category.__name__}: {message}\n"
+        return previous(message, category, filename, lineno, line)
+
+    formatwarning._lowprec_demo = True  # type: ignore[attr-defined]
+    warnings.formatwarning = formatwarning
+
+
+_install_warning_format()
 
 
 # --------------------------------------------------------------------------------------------
@@ -97,16 +129,75 @@ class DataFallbackWarning(UserWarning):
 # --------------------------------------------------------------------------------------------
 
 
+# The files a data folder may hold (any of them).
+DATA_FILES = (SHAKESPEARE_FILENAME, MNIST_FILENAME)
+
+# LOWPREC_DATA_DIR values resolved so far in this process, value -> absolute folder.
+_resolved_data_dirs: dict[str, Path] = {}
+_resolved_lock = threading.Lock()
+
+
+def _checkout_root() -> Optional[Path]:
+    """The repository root when the package runs from a checkout (``pip install -e .``), else None."""
+    root = Path(__file__).resolve().parent.parent
+    return root if (root / "pyproject.toml").is_file() and (root / "lowprec_demo").is_dir() else None
+
+
+def _resolve_data_dir(value: str) -> Path:
+    path = Path(value).expanduser()
+    if path.is_absolute():
+        candidates = [path]
+    else:
+        candidates = [Path.cwd() / path]
+        root = _checkout_root()
+        if root is not None and root / path != candidates[0]:
+            candidates.append(root / path)
+    candidates = [Path(os.path.normpath(c)) for c in candidates]
+    found = next((c for c in candidates if c.is_dir()), None)
+    if found is None:
+        where = " nor ".join(str(c) for c in candidates)
+        warnings.warn(
+            f"LOWPREC_DATA_DIR={value!r} is not a folder (there is no {where}); the loaders use "
+            f"the cache, a download, or their offline fallback",
+            DataFallbackWarning,
+            stacklevel=4,
+        )
+        return candidates[0]
+    if not any((found / name).is_file() for name in DATA_FILES):
+        shown = f"{value!r}" if str(found) == value else f"{value!r} ({found})"
+        warnings.warn(
+            f"LOWPREC_DATA_DIR={shown} holds none of the files the loaders look for "
+            f"({', '.join(DATA_FILES)}); they use the cache, a download, or their offline fallback",
+            DataFallbackWarning,
+            stacklevel=4,
+        )
+    return found
+
+
 def data_dir() -> Optional[Path]:
-    """The folder of local data copies, ``$LOWPREC_DATA_DIR``, or ``None`` when unset.
+    """The folder of local data copies, ``$LOWPREC_DATA_DIR`` as an absolute path, or ``None``
+    when unset.
+
+    A relative value is resolved once per process (the first call that sees it; later calls
+    return the same folder even if the current folder changes): against the current folder
+    when the folder exists there, else against the root of the checkout that holds the package
+    when it exists there, else against the current folder. So ``LOWPREC_DATA_DIR=../shared/data``
+    set in a shell at the repository root means the same folder in a notebook kernel that runs
+    in ``book/``. Warns (:class:`DataFallbackWarning`) when the folder does not exist or holds
+    none of the data files (``tinyshakespeare.txt``, ``mnist.npz``).
 
     Example::
 
-        >>> os.environ["LOWPREC_DATA_DIR"] = "../shared/data"; data_dir()
-        PosixPath('../shared/data')
+        >>> os.environ["LOWPREC_DATA_DIR"] = "../shared/data"; data_dir()  # at the repository root
+        PosixPath('/work/shared/data')
     """
     value = os.environ.get("LOWPREC_DATA_DIR", "")
-    return Path(value).expanduser() if value else None
+    if not value:
+        return None
+    with _resolved_lock:
+        if value not in _resolved_data_dirs:
+            _resolved_data_dirs[value] = _resolve_data_dir(value)
+        return _resolved_data_dirs[value]
 
 
 def cache_dir() -> Path:
@@ -203,7 +294,9 @@ def download(url: str, dest: PathLike, sha256: str, timeout: float = 30) -> Path
 
 
 def fetch(filename: str, url: str, sha256: str, timeout: float = 30) -> tuple[Path, str]:
-    """Path of a verified copy of ``filename``, and a sentence saying where it came from.
+    """Path of a verified copy of ``filename``, and a sentence saying where it came from (by
+    the file's name and the kind of place, e.g. "tinyshakespeare.txt from LOWPREC_DATA_DIR, sha256
+    verified"; no path of this machine).
 
     Looks in ``data_dir()``, then ``cache_dir()``, then downloads ``url`` into the cache. A copy in
     the data folder with the wrong hash raises ``ChecksumError`` (it is never used silently); a
@@ -224,22 +317,23 @@ def fetch(filename: str, url: str, sha256: str, timeout: float = 30) -> tuple[Pa
                     f"{local} (from LOWPREC_DATA_DIR) has sha256 {actual}, expected {sha256}; "
                     f"replace it with a good copy of {url} or unset LOWPREC_DATA_DIR"
                 )
-            return local, f"{filename} from LOWPREC_DATA_DIR ({local}), sha256 verified"
+            return local, f"{filename} from LOWPREC_DATA_DIR, sha256 verified"
 
     cached = cache_dir() / filename
     if cached.is_file():
         actual = sha256_of(cached)
         if actual == sha256:
-            return cached, f"{filename} from the cache ({cached}), sha256 verified"
+            return cached, f"{filename} from the download cache, sha256 verified"
         warnings.warn(
-            f"deleting corrupt cache copy {cached} (sha256 {actual}, expected {sha256})",
+            f"deleting the corrupt copy of {filename} in the download cache "
+            f"(sha256 {actual}, expected {sha256})",
             DataFallbackWarning,
             stacklevel=2,
         )
         cached.unlink()
 
     download(url, cached, sha256, timeout=timeout)
-    return cached, f"{filename} downloaded from {url} to {cached}, sha256 verified"
+    return cached, f"{filename} downloaded from {url} into the download cache, sha256 verified"
 
 
 # --------------------------------------------------------------------------------------------
@@ -262,9 +356,16 @@ class TextCorpus:
     fallback: bool = False
 
 
-def _stdlib_corpus(max_chars: int = FALLBACK_CORPUS_CHARS) -> tuple[str, str]:
-    """The standard library's top-level ``.py`` files in sorted order, up to ~``max_chars``."""
-    stdlib = Path(sysconfig.get_paths().get("stdlib") or Path(os.__file__).parent)
+def _stdlib_corpus(
+    max_chars: int = FALLBACK_CORPUS_CHARS, stdlib: Optional[PathLike] = None
+) -> tuple[str, str]:
+    """The standard library's top-level ``.py`` files in sorted order, up to ~``max_chars``, and
+    a sentence naming them (by file name and Python version, not by the folder's path).
+
+    ``stdlib``: the folder to read (default: this Python's standard library)."""
+    if stdlib is None:
+        stdlib = sysconfig.get_paths().get("stdlib") or Path(os.__file__).parent
+    stdlib = Path(stdlib)
     files = sorted(stdlib.glob("*.py"))
     if not files:
         raise DataUnavailableError(f"no Python sources found in {stdlib} for the fallback corpus")
@@ -279,8 +380,9 @@ def _stdlib_corpus(max_chars: int = FALLBACK_CORPUS_CHARS) -> tuple[str, str]:
     text = "".join(parts)
     version = ".".join(map(str, sys.version_info[:3]))
     source = (
-        f"fallback corpus: {len(parts)} .py files of the Python {version} standard library "
-        f"({stdlib}, first in sorted order, {len(text):,} characters)"
+        f"fallback corpus: the first {len(parts)} .py files, in sorted order, of the Python "
+        f"{version} standard library ({files[0].name} to {files[len(parts) - 1].name}, "
+        f"{len(text):,} characters)"
     )
     return text, source
 

@@ -5,7 +5,10 @@ import hashlib
 import http.server
 import os
 import shutil
+import subprocess
+import sys
 import threading
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -49,6 +52,7 @@ def isolated_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("LOWPREC_CACHE_DIR", str(cache))
     monkeypatch.delenv("LOWPREC_DATA_DIR", raising=False)
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "tiktoken"))
+    monkeypatch.setattr(data, "_resolved_data_dirs", {})  # each test resolves LOWPREC_DATA_DIR anew
     return cache
 
 
@@ -165,8 +169,11 @@ def test_shakespeare_offline_fallback_is_the_standard_library(monkeypatch, tmp_p
     empty = tmp_path / "empty_data"
     empty.mkdir()
     monkeypatch.setenv("LOWPREC_DATA_DIR", str(empty))
-    with pytest.warns(DataFallbackWarning, match="standard library"):
+    with pytest.warns(DataFallbackWarning) as caught:
         corpus = load_shakespeare()
+    messages = [str(w.message) for w in caught]
+    assert any("holds none of the files" in m for m in messages)  # the empty folder
+    assert any("standard library" in m for m in messages)  # and the fallback
     assert corpus.fallback
     assert "standard library" in corpus.source
     assert 1_000_000 <= len(corpus.text) < 1_500_000
@@ -212,6 +219,168 @@ def test_shakespeare_downloads_into_cache(served, monkeypatch, isolated_environm
     assert sha256_of(isolated_environment / "tinyshakespeare.txt") == data.SHAKESPEARE_SHA256
     assert os.listdir(isolated_environment) == ["tinyshakespeare.txt"]
     assert "cache" in load_shakespeare().source  # second call: no download
+
+
+def test_sources_name_no_path_of_the_machine(served, monkeypatch, isolated_environment, tmp_path):
+    # a stand-in file served over HTTP, trusted by its own hash, through all three places
+    text = "To be, or not to be: that is the question.\n" * 100
+    folder, url = served
+    (folder / "input.txt").write_text(text)
+    monkeypatch.setattr(data, "SHAKESPEARE_URL", f"{url}/input.txt")
+    monkeypatch.setattr(data, "SHAKESPEARE_SHA256", hashlib.sha256(text.encode()).hexdigest())
+    monkeypatch.delenv("LOWPREC_OFFLINE")
+    downloaded = load_shakespeare().source
+    cached = load_shakespeare().source
+    local = tmp_path / "local"
+    local.mkdir()
+    (local / "tinyshakespeare.txt").write_text(text)
+    monkeypatch.setenv("LOWPREC_DATA_DIR", str(local))
+    from_dir = load_shakespeare().source
+    assert downloaded == f"tinyshakespeare.txt downloaded from {url}/input.txt into the download cache, sha256 verified"
+    assert cached == "tinyshakespeare.txt from the download cache, sha256 verified"
+    assert from_dir == "tinyshakespeare.txt from LOWPREC_DATA_DIR, sha256 verified"
+    for source in (downloaded, cached, from_dir):
+        assert str(tmp_path) not in source and str(Path.home()) not in source
+
+
+def test_stdlib_corpus_names_its_files_not_their_folder(tmp_path):
+    import sysconfig
+
+    text, source = data._stdlib_corpus()
+    stdlib = sysconfig.get_paths()["stdlib"]
+    assert stdlib not in source and "standard library" in source
+    first = sorted(Path(stdlib).glob("*.py"))[0].name
+    assert f"({first} to " in source and f"{len(text):,} characters" in source
+    # a given folder: its files in sorted order, up to about max_chars, named first to last
+    folder = tmp_path / "lib"
+    folder.mkdir()
+    for name in ("b.py", "a.py", "c.py", "notes.txt"):
+        (folder / name).write_text(name * 10)
+    text, source = data._stdlib_corpus(max_chars=60, stdlib=folder)
+    assert text == "# ---- a.py ----\n" + "a.py" * 10 + "# ---- b.py ----\n" + "b.py" * 10
+    assert "the first 2 .py files" in source and "(a.py to b.py," in source and str(folder) not in source
+    with pytest.raises(DataUnavailableError):
+        data._stdlib_corpus(stdlib=tmp_path / "nothing")
+
+
+# ---- LOWPREC_DATA_DIR -----------------------------------------------------------------------
+
+
+def test_data_dir_unset_and_absolute(monkeypatch, tmp_path):
+    assert data.data_dir() is None
+    (tmp_path / "mnist.npz").write_bytes(b"")
+    monkeypatch.setenv("LOWPREC_DATA_DIR", str(tmp_path))
+    assert data.data_dir() == tmp_path
+
+
+def test_relative_data_dir_is_resolved_once_against_the_current_folder(monkeypatch, tmp_path):
+    (tmp_path / "here" / "data").mkdir(parents=True)
+    (tmp_path / "here" / "data" / "tinyshakespeare.txt").write_text("x")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    monkeypatch.setenv("LOWPREC_DATA_DIR", "data")
+    monkeypatch.setattr(data, "_checkout_root", lambda: None)
+    assert data.data_dir() == tmp_path / "here" / "data"
+    assert data.data_dir().is_absolute()
+    monkeypatch.chdir(tmp_path / "elsewhere")  # the folder is not looked up again
+    assert data.data_dir() == tmp_path / "here" / "data"
+
+
+def test_relative_data_dir_falls_back_to_the_checkout_root(monkeypatch, tmp_path):
+    # the layout of the repository: <root>/book is where notebooks run, <root>/../shared/data
+    root = tmp_path / "repo"
+    (root / "book").mkdir(parents=True)
+    shared = tmp_path / "shared" / "data"
+    shared.mkdir(parents=True)
+    (shared / "tinyshakespeare.txt").write_text("x")
+    monkeypatch.setattr(data, "_checkout_root", lambda: root)
+    monkeypatch.setenv("LOWPREC_DATA_DIR", "../shared/data")
+    monkeypatch.chdir(root / "book")
+    assert data.data_dir() == shared
+    # the current folder comes first when the folder is there
+    (root / "shared" / "data").mkdir(parents=True)
+    (root / "shared" / "data" / "mnist.npz").write_bytes(b"")
+    monkeypatch.setattr(data, "_resolved_data_dirs", {})
+    assert data.data_dir() == root / "shared" / "data"
+
+
+def test_checkout_root_is_this_repository():
+    root = data._checkout_root()
+    assert root == Path(__file__).resolve().parents[1]
+    assert (root / "lowprec_demo" / "data.py").is_file()
+
+
+@pytest.mark.skipif(
+    not (Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt").is_file(),
+    reason="no ../shared/data/tinyshakespeare.txt beside the repository",
+)
+def test_readme_relative_data_dir_works_from_book(monkeypatch):
+    # LOWPREC_DATA_DIR=../shared/data set at the repository root, read by a kernel in book/
+    monkeypatch.setenv("LOWPREC_DATA_DIR", "../shared/data")
+    monkeypatch.chdir(Path(__file__).resolve().parents[1] / "book")
+    corpus = load_shakespeare()
+    assert not corpus.fallback and corpus.source.startswith("tinyshakespeare.txt from LOWPREC_DATA_DIR")
+    assert data.data_dir() == Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+def test_missing_data_dir_warns_once_and_falls_back(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("LOWPREC_DATA_DIR", "no/such/folder")
+    with pytest.warns(DataFallbackWarning) as caught:
+        corpus = load_shakespeare()
+    assert "LOWPREC_DATA_DIR='no/such/folder' is not a folder" in str(caught[0].message)
+    assert "Tiny Shakespeare is unavailable" in str(caught[1].message)
+    assert corpus.fallback
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        data.data_dir()  # resolved once: no second warning
+    assert not caught
+
+
+def test_data_dir_without_data_files_warns(monkeypatch, tmp_path):
+    (tmp_path / "unrelated.txt").write_text("x")
+    monkeypatch.setenv("LOWPREC_DATA_DIR", str(tmp_path))
+    with pytest.warns(DataFallbackWarning, match="holds none of the files"):
+        assert data.data_dir() == tmp_path
+
+
+def test_data_dir_with_one_data_file_does_not_warn(monkeypatch, tmp_path):
+    (tmp_path / "mnist.npz").write_bytes(b"")
+    monkeypatch.setenv("LOWPREC_DATA_DIR", str(tmp_path))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert data.data_dir() == tmp_path
+
+
+# ---- how DataFallbackWarning is printed ---------------------------------------------------------
+
+
+def test_data_fallback_warning_is_printed_without_file_and_line():
+    class Sub(DataFallbackWarning):
+        pass
+
+    assert warnings.formatwarning("no data", DataFallbackWarning, "/x/y.py", 3, "code") == (
+        "DataFallbackWarning: no data\n"
+    )
+    assert warnings.formatwarning("no data", Sub, "/x/y.py", 3) == "Sub: no data\n"
+    other = warnings.formatwarning("else", UserWarning, "/x/y.py", 3, "code")
+    assert other.startswith("/x/y.py:3: UserWarning: else")
+    data._install_warning_format()  # installing again does not wrap twice
+    assert warnings.formatwarning("no data", DataFallbackWarning, "/x/y.py", 3) == "DataFallbackWarning: no data\n"
+
+
+def test_data_fallback_warning_on_stderr_of_a_fresh_process(tmp_path):
+    code = (
+        "import warnings, lowprec_demo.data as d\n"
+        "warnings.warn('using the fallback', d.DataFallbackWarning)\n"
+        "warnings.warn('plain', UserWarning)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHONWARNINGS")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         cwd=tmp_path, check=True)
+    lines = out.stderr.splitlines()
+    assert lines[0] == "DataFallbackWarning: using the fallback"
+    assert "UserWarning: plain" in lines[1] and lines[1].startswith("<string>:3:")
 
 
 # ---- tokenizers -------------------------------------------------------------------------------
