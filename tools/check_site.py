@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Browser check of the built book (_build/html) in headless Chromium.
+r"""Browser check of the built book (_build/html) in headless Chromium.
 
     python tools/check_site.py [--html _build/html] [--screenshots _build/screenshots]
 
@@ -16,16 +16,20 @@ opened in headless Chromium driven by Playwright. For each page the check collec
   Colab link that point at the repository URL and branch of _config.yml and at that chapter's
   notebook, which must exist in the repository; any other Binder or Colab link must point at the
   same repository and branch;
+* math (see "Math" below): once MathJax has finished, every math element of the page must hold
+  MathJax's output, no formula may show a MathJax error, no raw LaTeX delimiter may be left in the
+  page's text, and MathJax must be served by the book itself;
 
 and writes a PNG screenshot of the page into the screenshots folder. It exits 1 with a readable
 report when any page fails, 0 otherwise; report.json in the screenshots folder has the details.
 
 Which console errors are ours
 -----------------------------
-The book theme and myst-nb load some scripts from CDNs: MathJax (cdn.jsdelivr.net), require.js
-(cdnjs.cloudflare.com) and the Jupyter widgets manager (cdn.jsdelivr.net or unpkg.com) on pages with
-widgets, thebe (unpkg.com) when enabled. CI has no internet, and a check must give the same answer
-with and without one, so this check blocks every request that leaves 127.0.0.1 and never judges a
+The book theme and myst-nb load some scripts from CDNs: require.js (cdnjs.cloudflare.com) and the
+Jupyter widgets manager (cdn.jsdelivr.net or unpkg.com) on pages with widgets, thebe (unpkg.com)
+when enabled; MathJax too (cdn.jsdelivr.net) unless, as in this book, sphinx-mathjax-offline serves
+it from _static/mathjax/. CI has no internet, and a check must give the same answer with and
+without one, so this check blocks every request that leaves 127.0.0.1 and never judges a
 third-party host. Hence:
 
 1. Not ours (listed in the report, never a failure): a console error about a resource on another
@@ -41,6 +45,24 @@ third-party host. Hence:
 
 An <img> whose source is on another origin is blocked too, so it cannot be judged: it is listed as
 "unchecked external image", not as broken. Content of ours should not depend on the network.
+
+Math
+----
+Formulas must render for a reader without a network, so they are judged with every other origin
+blocked. Sphinx writes a formula as an element of class "math" (inline `<span class="math">\(...\)
+</span>`, display `<div class="math">\[...\]</div>`) and MathJax 3 replaces its text by an
+<mjx-container>. After MathJax's first typesetting is over (MathJax.startup.promise, at most
+MATHJAX_TIMEOUT_MS), the page's DOM is read back and scanned in Python (scan_math, which the tests
+run on small HTML strings):
+
+* a math element without an <mjx-container> inside is a formula that was not rendered;
+* an <mjx-merror> is a formula MathJax could not parse;
+* raw LaTeX in the text a reader sees, outside <pre>, <code>, <script> and the like: `\(`, `\[`,
+  `$$`, an inline `$...$` (a `$` followed by a non-space, up to a `$` after a non-space that no
+  digit follows, within one block of text: the dollarmath rule, so "$5 and $6" is not math), or
+  half of one that a table cell cut off (`$\lfloor ...` or `... \rfloor$`);
+* a <script> whose source names MathJax or KaTeX on another origin: the formulas would need the
+  network (reported even if the page has no formula).
 """
 
 from __future__ import annotations
@@ -75,6 +97,9 @@ KNOWN_CDN_CONSEQUENCES: list[tuple[str, str]] = []
 
 # A bare "#" is how the theme writes buttons, not a link to an anchor.
 IGNORED_FRAGMENTS = {""}
+
+# How long a page may take to typeset its formulas once it has loaded.
+MATHJAX_TIMEOUT_MS = 30_000
 
 
 # --------------------------------------------------------------------------------------------
@@ -151,6 +176,165 @@ def file_for_url_path(html_dir: Path, url_path: str) -> Path:
 
 
 # --------------------------------------------------------------------------------------------
+# Math: every formula typeset, no raw LaTeX left in the text (see "Math" in the docstring).
+
+# Elements whose text a reader does not see as prose: code, scripts, and MathJax's own output
+# (whose assistive MathML repeats the formula).
+MATH_SKIP_TAGS = {
+    "head", "pre", "code", "kbd", "samp", "tt", "script", "style", "textarea", "noscript", "template",
+    "mjx-container", "math", "svg",
+}
+# Elements that end a run of text, so that an inline `$` never pairs with one in another block.
+MATH_BLOCK_TAGS = {
+    "address", "article", "aside", "blockquote", "br", "caption", "dd", "details", "dialog", "div", "dl",
+    "dt", "fieldset", "figcaption", "figure", "footer", "form", "h1", "h2", "h3", "h4", "h5", "h6",
+    "header", "hr", "li", "main", "nav", "ol", "p", "section", "summary", "table", "tbody", "td",
+    "tfoot", "th", "thead", "tr", "ul", "button", "label", "option", "select",
+}
+VOID_TAGS = {
+    "area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "param", "source",
+    "track", "wbr",
+}
+RAW_LATEX = re.compile(
+    r"\\\(|\\\["  # \( \[
+    r"|\$\$(?:[^$]{0,300}?\$\$)?"  # $$ ... $$
+    r"|(?<![\\$])\$(?=[^\s$])[^$\n]{0,300}?(?<=[^\s\\$])\$(?![\d$])"  # $x$ (dollarmath: no digit after)
+    r"|(?<![\\$])\$\\[A-Za-z]|\\[A-Za-z]+\$"  # half a formula: $\lfloor ... or ... \rfloor$
+)
+
+
+def raw_latex_in_text(text: str) -> list[str]:
+    """The raw LaTeX delimiters in one run of text a reader sees, each with a little context."""
+    found = []
+    for match in RAW_LATEX.finditer(text):
+        start, end = max(0, match.start() - 30), min(len(text), match.end() + 30)
+        found.append(" ".join(text[start:end].split()))
+    return found
+
+
+@dataclass
+class MathScan:
+    math_elements: int = 0  # elements of class "math"
+    rendered: int = 0  # of those, the ones that hold MathJax output
+    unrendered: list[str] = field(default_factory=list)  # the text of each one that does not
+    errors: list[str] = field(default_factory=list)  # MathJax's messages for formulas it could not parse
+    raw: list[str] = field(default_factory=list)  # raw LaTeX in the visible text, with context
+    scripts: list[str] = field(default_factory=list)  # sources of MathJax or KaTeX scripts
+
+
+class _MathScanner(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.scan = MathScan()
+        self.stack: list[tuple[str, bool, bool]] = []  # (tag, skips text, is a math element)
+        self.skip_depth = 0
+        self.math_open: list[dict] = []  # math elements open now: {"text": [...], "rendered": bool}
+        self.runs: list[list[str]] = [[]]
+        self.error_open: list[str] = []  # the messages of the <mjx-merror> elements open now
+        self.error_text: list[str] = []
+
+    def _break(self) -> None:
+        if self.runs[-1]:
+            self.runs.append([])
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if tag == "script" and attrs.get("src") and re.search(r"mathjax|katex", attrs["src"], re.I):
+            self.scan.scripts.append(attrs["src"])
+        if tag in MATH_BLOCK_TAGS:
+            self._break()
+        if tag == "mjx-container":
+            for open_math in self.math_open:
+                open_math["rendered"] = True
+        if tag == "mjx-merror":
+            self.error_open.append(attrs.get("data-mjx-error") or "")
+        if tag in VOID_TAGS:
+            return
+        classes = (attrs.get("class") or "").split()
+        is_math = "math" in classes and tag in ("span", "div")
+        skips = tag in MATH_SKIP_TAGS
+        if is_math:
+            self.scan.math_elements += 1
+            self.math_open.append({"text": [], "rendered": False})
+        if skips:
+            self.skip_depth += 1
+        self.stack.append((tag, skips, is_math))
+
+    def handle_startendtag(self, tag, attrs):
+        self.handle_starttag(tag, attrs)
+        if tag not in VOID_TAGS:
+            self.handle_endtag(tag)
+
+    def handle_endtag(self, tag):
+        if tag in MATH_BLOCK_TAGS:
+            self._break()
+        if tag == "mjx-merror" and self.error_open:
+            message = self.error_open.pop()
+            if not self.error_open:
+                text = " ".join("".join(self.error_text).split())
+                self.scan.errors.append(message or text or "(no message)")
+                self.error_text = []
+        if tag in VOID_TAGS or not any(t == tag for t, _, _ in self.stack):
+            return  # a stray end tag
+        while self.stack:
+            open_tag, skips, is_math = self.stack.pop()
+            if skips:
+                self.skip_depth -= 1
+            if is_math:
+                element = self.math_open.pop()
+                if element["rendered"]:
+                    self.scan.rendered += 1
+                else:
+                    self.scan.unrendered.append(" ".join("".join(element["text"]).split())[:120])
+            if open_tag == tag:
+                break
+
+    def handle_data(self, data):
+        if self.error_open:
+            self.error_text.append(data)
+        for open_math in self.math_open:
+            open_math["text"].append(data)
+        if not self.skip_depth:
+            self.runs[-1].append(data)
+
+    def close(self):
+        super().close()
+        while self.stack:  # elements left open at the end of the document
+            self.handle_endtag(self.stack[-1][0])
+        for run in self.runs:
+            self.scan.raw += raw_latex_in_text("".join(run))
+
+
+def scan_math(html: str) -> MathScan:
+    """Scan a page's HTML (as the browser holds it after typesetting) for its formulas."""
+    scanner = _MathScanner()
+    scanner.feed(html)
+    scanner.close()
+    return scanner.scan
+
+
+def math_failures(html: str, origin: str = "") -> list[str]:
+    """The failures that scan_math finds in a page: an empty list when every formula rendered."""
+    scan = scan_math(html)
+    failures = []
+    if scan.unrendered:
+        failures.append(
+            f"{len(scan.unrendered)} of {scan.math_elements} formulas not rendered by MathJax, e.g. "
+            + "; ".join(f"'{t}'" for t in scan.unrendered[:3])
+        )
+    for message in scan.errors[:5]:
+        failures.append(f"MathJax could not typeset a formula: {message}")
+    if scan.raw:
+        failures.append(
+            f"raw LaTeX in the page's text ({len(scan.raw)}x), e.g. " + "; ".join(f"'{t}'" for t in scan.raw[:3])
+        )
+    for src in scan.scripts:
+        if re.match(r"(https?:)?//", src) and not (origin and is_ours(src, origin)):
+            failures.append(f"MathJax/KaTeX is loaded from another origin ({src}): formulas need the network")
+    return failures
+
+
+# --------------------------------------------------------------------------------------------
 # Serving the site.
 
 
@@ -177,6 +361,8 @@ class PageResult:
     external_errors: list[str] = field(default_factory=list)
     unchecked_images: list[str] = field(default_factory=list)
     screenshot: str = ""
+    math_elements: int = 0  # formulas on the page (elements of class "math")
+    math_rendered: int = 0  # of those, the ones MathJax rendered
 
     @property
     def ok(self) -> bool:
@@ -309,6 +495,21 @@ LINKS_JS = """
   .map(el => ({href: el.href, raw: el.getAttribute("href")}))
 """
 
+# Waits for MathJax's first typesetting (when MathJax is there at all) and hands back the DOM.
+MATH_DOM_JS = """
+async (timeoutMs) => {
+  const mj = window.MathJax;
+  let state = "no MathJax";
+  if (mj && mj.startup && mj.startup.promise) {
+    state = await Promise.race([
+      mj.startup.promise.then(() => "typeset", e => "failed: " + e),
+      new Promise(resolve => setTimeout(() => resolve("timeout"), timeoutMs)),
+    ]);
+  }
+  return {state: state, html: document.documentElement.outerHTML};
+}
+"""
+
 IDS_JS = """
 () => Array.from(document.querySelectorAll("[id], a[name]")).map(el => el.id || el.getAttribute("name"))
 """
@@ -371,6 +572,7 @@ def check_page(
                 break
         else:
             result.failures.append(f"the page kept moving on (last at {page.url})")
+        math = page.evaluate(MATH_DOM_JS, MATHJAX_TIMEOUT_MS)  # before the screenshot: it shows the formulas
         shot = shots / (rel.replace("/", "__").removesuffix(".html") + ".png")
         page.screenshot(path=str(shot), full_page=full_page)
         result.screenshot = str(shot)
@@ -398,6 +600,14 @@ def check_page(
             result.unchecked_images.append(img["src"])
         elif img["width"] == 0 and not (img["src"].endswith(".svg") and img["decodes"]):
             result.failures.append(f"broken image {img['raw']!r} (naturalWidth 0)")
+
+    if math["state"] == "timeout":
+        result.failures.append(f"MathJax did not finish typesetting within {MATHJAX_TIMEOUT_MS / 1000:g} s")
+    elif math["state"].startswith("failed"):
+        result.failures.append(f"MathJax {math['state']}")
+    result.failures += math_failures(math["html"], origin)
+    scan = scan_math(math["html"])
+    result.math_elements, result.math_rendered = scan.math_elements, scan.rendered
 
     check_links(result, links, final_url, origin, html_dir, live_ids)
     is_chapter = (html_dir / "_sources" / (rel.removesuffix(".html") + ".ipynb")).is_file()
@@ -484,6 +694,11 @@ def main(argv: list[str] | None = None) -> int:
             print("    " + line)
     if unchecked:
         print("unchecked external images: " + ", ".join(unchecked))
+    formulas = sum(r.math_elements for r in results)
+    print(
+        f"math: {sum(r.math_rendered for r in results)} of {formulas} formulas rendered, on "
+        f"{sum(1 for r in results if r.math_elements)} pages, with every other origin blocked"
+    )
     (args.screenshots / "report.json").write_text(
         json.dumps(
             {
