@@ -1,8 +1,10 @@
 """The experiments the book and the command line run, by name.
 
 Each experiment module registers an :class:`Experiment`: a description, default settings for the
-quick and full scales, and a function that builds the :class:`~lowprec_demo.training.Task` for a
-config. ``run_experiment`` is the one way to run any of them.
+quick and full scales, the names of the options its build reads, and a function that builds the
+:class:`~lowprec_demo.training.Task` for a config. ``run_experiment`` is the one way to run any of
+them; a setting that is neither a :class:`~lowprec_demo.training.TrainConfig` field nor one of the
+experiment's options is refused (a ValueError that lists the valid names).
 
 Example:
     >>> "quadratic" in experiment_names()
@@ -12,13 +14,14 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
 from ..runtime import progress_bar
 from ..runtime import scale as current_scale
 from ..training import Task, TrainConfig, TrainResult, train_variants
 
-__all__ = ["Experiment", "register", "experiment_names", "get_experiment", "make_config", "run_experiment", "sweep"]
+__all__ = ["Experiment", "register", "experiment_names", "get_experiment", "config_fields", "check_settings",
+           "make_config", "run_experiment", "sweep"]
 
 
 @dataclass
@@ -31,12 +34,15 @@ class Experiment:
         defaults: ``f(scale) -> dict`` of TrainConfig fields (``options`` for model sizes etc.)
             for ``"quick"`` and ``"full"``.
         build: ``f(config) -> Task``.
+        options: the names of every option ``build`` reads from ``config.options`` (those of
+            ``defaults`` and any others); None: not declared, every name is accepted.
     """
 
     name: str
     description: str
     defaults: Callable[[str], dict]
     build: Callable[[TrainConfig], Task]
+    options: Optional[Sequence[str]] = None
 
 
 _REGISTRY: Dict[str, Experiment] = {}
@@ -60,18 +66,50 @@ def get_experiment(name: str) -> Experiment:
     return _REGISTRY[name]
 
 
-_CONFIG_FIELDS = {f.name for f in fields(TrainConfig)}
+_CONFIG_FIELDS = tuple(f.name for f in fields(TrainConfig) if f.name != "options")
+
+
+def config_fields() -> tuple:
+    """The names of the :class:`~lowprec_demo.training.TrainConfig` fields a setting can set
+    (every field but ``options``, whose entries are set one by one).
+
+    Example:
+        >>> "lr" in config_fields()
+        True
+    """
+    return _CONFIG_FIELDS
+
+
+def check_settings(name: str, settings: Mapping[str, object]) -> None:
+    """Raise ValueError unless every key of ``settings`` is a TrainConfig field or one of
+    experiment ``name``'s options (the entries of an ``options`` dict are checked as options);
+    the message lists the valid names.
+
+    Example:
+        >>> check_settings("quadratic", {"lr": 0.1, "dim": 8})   # passes
+    """
+    exp = get_experiment(name)
+    keys = [k for k in settings if k != "options"] + list(settings.get("options") or {})
+    allowed_options = None if exp.options is None else tuple(exp.options)
+    unknown = [k for k in keys if k not in _CONFIG_FIELDS and allowed_options is not None
+               and k not in allowed_options]
+    if unknown:
+        raise ValueError(f"unknown setting{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} for "
+                         f"{name}; {name}'s options: {', '.join(allowed_options) or 'none'}; "
+                         f"config fields: {', '.join(_CONFIG_FIELDS)}")
 
 
 def make_config(name: str, scale: Optional[str] = None, **overrides) -> TrainConfig:
     """The experiment's default config for ``scale`` with ``overrides`` applied. Keys that are not
-    TrainConfig fields go into ``options``.
+    TrainConfig fields go into ``options``; a key that is neither a field nor one of the
+    experiment's options raises ValueError (see :func:`check_settings`).
 
     Example:
         >>> make_config("quadratic", lr=0.05).lr
         0.05
     """
     exp = get_experiment(name)
+    check_settings(name, overrides)
     settings = dict(exp.defaults(current_scale(scale)))
     options = dict(settings.pop("options", {}))
     for key, value in overrides.items():

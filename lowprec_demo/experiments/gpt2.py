@@ -120,4 +120,5 @@ def build(config: TrainConfig) -> Task:
 
 
 register(Experiment(name="gpt2", description="GPT-2 124M with dense weights on an fp8 (E4M3) grid",
-                    defaults=_defaults, build=build))
+                    defaults=_defaults, build=build,
+                    options=("model", *_SHAPE_OPTIONS, "context", "tf32", "batch_size", "val_fraction", "eval_batches")))

@@ -154,4 +154,6 @@ def build(config: TrainConfig) -> Task:
 
 
 register(Experiment(name="mlp", description="a small MLP student learns a random teacher network (AdamW or SGD)",
-                    defaults=_defaults, build=build))
+                    defaults=_defaults, build=build,
+                    options=("input_dim", "hidden", "depth", "activation", "teacher_hidden", "samples", "test_samples",
+                             "batch_size", "noise")))

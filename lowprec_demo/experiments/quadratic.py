@@ -102,4 +102,5 @@ def build(config: TrainConfig) -> Task:
 
 
 register(Experiment(name="quadratic", description="gradient descent on a separable least-squares problem",
-                    defaults=_defaults, build=build))
+                    defaults=_defaults, build=build,
+                    options=("dim", "c_min", "c_max", "t_min", "t_max", "noise")))

@@ -228,4 +228,5 @@ def build(config: TrainConfig) -> Task:
 
 
 register(Experiment(name="regression", description="gradient descent on a linear readout of frozen random features",
-                    defaults=_defaults, build=build))
+                    defaults=_defaults, build=build,
+                    options=("input_dim", "features", "samples", "test_samples", "noise", "bandwidth", "batch_size")))
