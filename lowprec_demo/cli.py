@@ -11,6 +11,14 @@ git commit, date), ``runs`` (``reference``, ``nearest``, ``stochastic``, each wi
 ``loss`` list; the low-precision ones also ``frozen_observed``) and ``prediction``
 (``frozen_predicted`` per step, ``threshold``, ``freeze_step``). It is written atomically.
 
+``--set key=value`` sets a :class:`~lowprec_demo.training.TrainConfig` field (the value read as
+the field's type: ``--set momentum=0.9``, ``--set betas=0.9,0.95``, ``--set sr_seed=None``) or
+one of the experiment's options (read as the type of its default: ``--set dim=8``). Before any
+training the command checks everything it can: an unknown key (the message lists the valid
+ones), a value of the wrong type, a field given both by its flag and by ``--set``, and an
+``--out`` where no file can be written; each ends the command with a usage message and exit
+status 2.
+
 Example:
     ``python -m lowprec_demo run quadratic --format bf16 --out r.json``
 """
@@ -21,6 +29,9 @@ import argparse
 import ast
 import os
 import sys
+import tempfile
+import typing
+from pathlib import Path
 from typing import List, Optional
 
 if __name__ == "__main__" and not __package__:
@@ -30,23 +41,160 @@ if __name__ == "__main__" and not __package__:
     __package__ = "lowprec_demo"
 
 from .formats import FORMAT_NAMES, get_format
-from .runtime import DEVICES, SCALES
+from .runtime import DEVICES, SCALES, pick_device
+
+# TrainConfig fields that have a flag of their own: --set may give them too, but not both ways
+_FLAGS = {"format": "--format", "steps": "--steps", "lr": "--lr", "seed": "--seed", "device": "--device",
+          "threshold": "--threshold", "rand_bits": "--rand-bits", "predict_formats": "--predict",
+          "variants": "--variants"}
 
 
-def _parse_value(text: str):
+class SettingError(ValueError):
+    """A ``--set`` or ``--out`` the command line refuses before any training."""
+
+
+def _literal(text: str):
     try:
         return ast.literal_eval(text)
     except (ValueError, SyntaxError):
         return text
 
 
-def _parse_sets(items: List[str]) -> dict:
+def _as_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("true", "1", "yes", "on"):
+        return True
+    if lowered in ("false", "0", "no", "off"):
+        return False
+    raise ValueError
+
+
+def _as_int(text: str) -> int:
+    value = _literal(text)
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError
+    return value
+
+
+def _as_float(text: str) -> float:
+    value = _literal(text)
+    if isinstance(value, bool):
+        raise ValueError
+    return float(value) if isinstance(value, (int, float)) else float(text)   # "inf", "nan"
+
+
+def _as_tuple(text: str) -> tuple:
+    """``a,b`` or ``(a, b)``: each item a Python literal, else a string."""
+    inner = text.strip()
+    if inner[:1] in "([" and inner[-1:] in ")]":
+        inner = inner[1:-1]
+    return tuple(_literal(item.strip()) for item in inner.split(",") if item.strip())
+
+
+_READERS = {bool: (_as_bool, "true or false"), int: (_as_int, "an integer"),
+            float: (_as_float, "a number such as 0.001"), tuple: (_as_tuple, "a comma-separated list"),
+            str: (str, "text")}
+
+
+def _field_types() -> dict:
+    from .training import TrainConfig
+    hints = typing.get_type_hints(TrainConfig)
+    types = {}
+    for name, hint in hints.items():
+        args = typing.get_args(hint)
+        optional = typing.get_origin(hint) is typing.Union and type(None) in args
+        base = next(a for a in args if a is not type(None)) if optional else (typing.get_origin(hint) or hint)
+        types[name] = (base, optional)
+    return types
+
+
+def parse_setting(key: str, text: str, kind: Optional[type] = None, optional: bool = False):
+    """The value of ``--set key=text`` as a ``kind`` (bool, int, float, tuple or str; None: a
+    Python literal, else the text), ``None``/``none`` allowed when ``optional``; a SettingError
+    names the key, the value and the type expected.
+
+    Example:
+        >>> parse_setting("lr", "3e-4", float), parse_setting("betas", "0.9,0.95", tuple)
+        (0.0003, (0.9, 0.95))
+    """
+    text = text.strip()
+    if optional and text.lower() in ("none", ""):
+        return None
+    if kind is None or kind not in _READERS:
+        return _literal(text)
+    reader, expected = _READERS[kind]
+    try:
+        value = reader(text)
+    except (ValueError, TypeError, SyntaxError):
+        raise SettingError(f"--set {key}={text}: {key} takes {expected}" + (" or None" if optional else "")
+                           + f", not {text!r}") from None
+    if key == "betas" and (len(value) != 2 or not all(isinstance(b, (int, float)) for b in value)):
+        raise SettingError(f"--set betas={text}: betas takes two numbers, e.g. 0.9,0.95")
+    return value
+
+
+def parse_sets(experiment: str, items: List[str], scale: Optional[str] = None) -> dict:
+    """The ``--set key=value`` items as typed settings for ``experiment``: a TrainConfig field
+    parsed to the field's type, an option to the type of its default at ``scale`` (a Python
+    literal, else text, when it has none). Unknown keys, the ``options`` field itself and
+    malformed items raise SettingError, naming what is allowed.
+
+    Example:
+        >>> parse_sets("quadratic", ["dim=8", "momentum=0.9"])
+        {'dim': 8, 'momentum': 0.9}
+    """
+    from .experiments import check_settings, get_experiment
+    from .runtime import scale as current_scale
+    types = _field_types()
+    defaults = dict(get_experiment(experiment).defaults(current_scale(scale)).get("options", {}))
     out = {}
     for item in items:
-        if "=" not in item:
-            raise ValueError(f"--set expects key=value, got {item!r}")
-        key, value = item.split("=", 1)
-        out[key.strip()] = _parse_value(value.strip())
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise SettingError(f"--set expects key=value, got {item!r}")
+        if key == "options":
+            raise SettingError("--set options=...: give each option as its own --set name=value")
+        try:
+            check_settings(experiment, {key: None})
+        except ValueError as error:
+            raise SettingError(f"--set {item}: {error}") from None
+        if key in types:
+            kind, optional = types[key]
+        else:
+            default = defaults.get(key)
+            kind, optional = (None, False) if default is None else (type(default), False)
+        out[key] = parse_setting(key, text, kind, optional)
+    return out
+
+
+def check_out(path: str) -> Path:
+    """Raise SettingError unless a result can be written at ``path``: not a folder, and the
+    folder it goes in (created when missing) exists or can be made, and takes a new file.
+    Checked before training so that a long run is not lost at the end.
+
+    Example: ``check_out("results.json")`` -> ``PosixPath('results.json')``."""
+    out = Path(path)
+    if out.is_dir():
+        raise SettingError(f"--out {path}: is a folder; give a file name, e.g. --out {out / 'results.json'}")
+    folder = out.parent
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise SettingError(f"--out {path}: {existing} is a file, not a folder")
+    try:
+        # the result is written as a new file in that folder, then renamed into place
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as error:
+        reason = error.strerror or str(error)
+        if existing == folder:
+            raise SettingError(f"--out {path}: cannot write a file in the folder {folder} ({reason})") from None
+        raise SettingError(f"--out {path}: the folder {folder} does not exist and cannot be made in "
+                           f"{existing} ({reason})") from None
     return out
 
 
@@ -61,8 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help=f"storage format: {', '.join(FORMAT_NAMES)} or e<E>m<m> (default: the experiment's)")
     run.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the experiment's)")
     run.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the experiment's)")
-    run.add_argument("--seed", type=int, default=0, help="seed for initialisation, data and SR (default 0)")
-    run.add_argument("--device", default="auto", help=f"one of {', '.join(DEVICES)} (default auto)")
+    run.add_argument("--seed", type=int, default=None, help="seed for initialisation, data and SR (default 0)")
+    run.add_argument("--device", default=None, help=f"one of {', '.join(DEVICES)} (default auto)")
     run.add_argument("--scale", default=None, help=f"one of {', '.join(SCALES)} (default: LOWPREC_SCALE or quick)")
     run.add_argument("--threshold", type=float, default=None, help="frozen fraction that defines the freeze step")
     run.add_argument("--rand-bits", type=int, default=None, help="few-bit stochastic rounding with this many bits")
@@ -70,19 +218,47 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--variants", default=None,
                      help="comma-separated runs (default reference,nearest,stochastic; kahan is available)")
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                     help="an experiment option or config field, e.g. --set dim=1 (repeatable)")
-    run.add_argument("--out", default="results.json", help="output JSON path (default results.json)")
+                     help="a config field or an experiment option, e.g. --set dim=1 or --set momentum=0.9 "
+                          "(repeatable; a field's value is read as the field's type; a field with a flag of "
+                          "its own may be given either way, not both)")
+    run.add_argument("--out", default="results.json",
+                     help="output JSON path (default results.json; missing folders are made), checked before "
+                          "training")
     run.add_argument("--max-points", type=int, default=1000,
                      help="keep per-tensor curves at most this long in the JSON (0: all)")
     run.add_argument("--no-progress", action="store_true", help="no progress bars")
+    run.set_defaults(run_parser=run)
     sub.add_parser("list", help="list experiments and formats")
     return parser
+
+
+def _fail(parser: argparse.ArgumentParser, message: str) -> int:
+    """Report an error the way argparse does (usage, then ``prog: error: message``) and return
+    its exit status, 2."""
+    parser.print_usage(sys.stderr)
+    print(f"{parser.prog}: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _settings(args: argparse.Namespace) -> dict:
+    """Every setting of the run, from the flags and ``--set`` (a key given both ways is refused)."""
+    flags = {"format": args.fmt, "steps": args.steps, "lr": args.lr, "seed": args.seed, "device": args.device,
+             "threshold": args.threshold, "rand_bits": args.rand_bits,
+             "predict_formats": tuple(f.strip() for f in args.predict.split(",") if f.strip()) or None,
+             "variants": tuple(v.strip() for v in args.variants.split(",") if v.strip()) if args.variants else None}
+    flags = {k: v for k, v in flags.items() if v is not None}
+    sets = parse_sets(args.experiment, args.set, args.scale)
+    for key in sets:
+        if key in flags:
+            raise SettingError(f"{key} is given twice: {_FLAGS[key]} {flags[key]} and --set {key}=...; "
+                               f"give it once")
+    return {**flags, **sets}
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Entry point; returns the exit status. Under ``torchrun`` every process trains its share
     and only rank 0 prints and writes the JSON."""
-    from .experiments import experiment_names, get_experiment, run_experiment
+    from .experiments import experiment_names, get_experiment, make_config, run_experiment
     from .training import finish_distributed, init_distributed
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -91,27 +267,28 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"{name:12s} {get_experiment(name).description}")
         print("formats:", ", ".join(FORMAT_NAMES), "or e<E>m<m>")
         return 0
+    fail = args.run_parser
     try:
+        # everything that can be checked is checked before any training
         if args.experiment not in experiment_names():
-            raise ValueError(f"unknown experiment {args.experiment!r}; valid experiments: {', '.join(experiment_names())}")
-        if args.fmt is not None:
-            get_format(args.fmt)
-        overrides = _parse_sets(args.set)
-        if args.threshold is not None:
-            overrides["threshold"] = args.threshold
-        if args.rand_bits is not None:
-            overrides["rand_bits"] = args.rand_bits
-        if args.predict:
-            overrides["predict_formats"] = tuple(f.strip() for f in args.predict.split(",") if f.strip())
-        if args.variants:
-            overrides["variants"] = tuple(v.strip() for v in args.variants.split(",") if v.strip())
-        main_process = init_distributed(args.device).is_main
-        result = run_experiment(args.experiment, fmt=args.fmt, steps=args.steps, lr=args.lr, seed=args.seed,
-                                device=args.device, scale=args.scale,
-                                progress=main_process and not args.no_progress, **overrides)
+            raise SettingError(f"unknown experiment {args.experiment!r}; valid experiments: "
+                               f"{', '.join(experiment_names())}")
+        settings = _settings(args)
+        fmt, steps, lr = settings.pop("format", None), settings.pop("steps", None), settings.pop("lr", None)
+        seed, device = settings.pop("seed", 0), settings.pop("device", "auto")
+        pick_device(device)
+        make_config(args.experiment, args.scale, format=fmt, steps=steps, lr=lr, seed=seed, device=device,
+                    **settings)
+        check_out(args.out)
+    except (ValueError, TypeError, RuntimeError) as exc:
+        return _fail(fail, str(exc))
+    try:
+        main_process = init_distributed(device).is_main
+        result = run_experiment(args.experiment, fmt=fmt, steps=steps, lr=lr, seed=seed, device=device,
+                                scale=args.scale, progress=main_process and not args.no_progress, **settings)
         finish_distributed()
     except (ValueError, TypeError, RuntimeError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"{fail.prog}: error: {exc}", file=sys.stderr)
         return 2
     if not main_process:
         return 0

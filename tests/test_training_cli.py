@@ -78,6 +78,114 @@ def test_cli_errors_name_valid_values_and_write_nothing(tmp_path, capsys, argv, 
     assert not out.exists()
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--set", "nosuchkey=3"], "unknown setting 'nosuchkey' for quadratic; quadratic's options: dim, c_min"),
+    (["--set", "nosuchkey=3"], "config fields: format, steps, lr"),
+    (["--set", "lr=abc"], "--set lr=abc: lr takes a number"),
+    (["--set", "steps=1.5"], "--set steps=1.5: steps takes an integer"),
+    (["--set", "dim=abc"], "--set dim=abc: dim takes an integer"),
+    (["--set", "sr_seed=x"], "sr_seed takes an integer or None"),
+    (["--set", "betas=0.9"], "betas takes two numbers"),
+    (["--set", "options={}"], "give each option as its own --set"),
+    (["--set", "dim"], "--set expects key=value"),
+    (["--lr", "0.1", "--set", "lr=0.2"], "lr is given twice: --lr 0.1 and --set lr="),
+    (["--steps", "5", "--set", "steps=6"], "steps is given twice"),
+])
+def test_cli_refuses_bad_settings_before_training(tmp_path, capsys, monkeypatch, argv, message):
+    def no_training(*args, **kwargs):
+        raise AssertionError("training started")
+    monkeypatch.setattr("lowprec_demo.experiments.train_variants", no_training)
+    out = tmp_path / "r.json"
+    assert main(["run", "quadratic", *argv, "--out", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: ") and "python -m lowprec_demo run: error: " in err
+    assert message in err
+    assert not out.exists()
+
+
+def test_cli_set_reads_each_field_as_its_type(tmp_path):
+    from lowprec_demo.cli import parse_sets
+    sets = parse_sets("quadratic", ["lr=5e-2", "steps=7", "momentum=0", "betas=(0.9, 0.95)", "sr_seed=None",
+                                    "variants=reference,nearest", "predict_formats=e8m4", "optimizer=sgd",
+                                    "dim=4", "noise=0"])
+    assert sets == {"lr": 0.05, "steps": 7, "momentum": 0.0, "betas": (0.9, 0.95), "sr_seed": None,
+                    "variants": ("reference", "nearest"), "predict_formats": ("e8m4",), "optimizer": "sgd",
+                    "dim": 4, "noise": 0.0}
+    assert all(type(sets[k]) is float for k in ("lr", "momentum", "noise"))
+    assert parse_sets("mnist", ["prefer_full=False"]) == {"prefer_full": False}
+    # fields with a flag of their own work through --set too
+    out = tmp_path / "r.json"
+    assert main(["run", "quadratic", "--set", "lr=0.05", "--set", "steps=6", "--set", "seed=3", "--set", "dim=4",
+                 "--set", "threshold=0.4", "--out", str(out), "--no-progress"]) == 0
+    config = json.loads(out.read_text())["config"]
+    assert (config["lr"], config["steps"], config["seed"], config["threshold"], config["options"]["dim"]) == \
+        (0.05, 6, 3, 0.4, 4)
+
+
+def test_unknown_settings_are_refused_from_python_too():
+    with pytest.raises(ValueError, match="unknown setting 'nosuchkey' for quadratic"):
+        lp.make_config("quadratic", nosuchkey=3)
+    with pytest.raises(ValueError, match="unknown setting 'depth' for quadratic"):
+        lp.make_config("quadratic", options={"depth": 2})
+    assert lp.make_config("quadratic", dim=3, momentum=0.5).options["dim"] == 3
+
+
+def test_every_experiment_declares_the_options_of_its_defaults():
+    from lowprec_demo.experiments import experiment_names, get_experiment
+    for name in experiment_names():
+        exp = get_experiment(name)
+        for scale in ("quick", "full"):
+            assert set(exp.defaults(scale).get("options", {})) <= set(exp.options), (name, scale)
+
+
+@pytest.mark.parametrize("where", ["folder", "missing_under_file", "unwritable", "unwritable_missing"])
+def test_cli_checks_out_before_training(tmp_path, capsys, monkeypatch, where):
+    def no_training(*args, **kwargs):
+        raise AssertionError("training started")
+    monkeypatch.setattr("lowprec_demo.experiments.train_variants", no_training)
+    if where == "folder":
+        out, message = tmp_path, "is a folder; give a file name"
+    elif where == "missing_under_file":
+        (tmp_path / "plain").write_text("")
+        out, message = tmp_path / "plain" / "r.json", "plain is a file, not a folder"
+    else:
+        locked = tmp_path / "locked"
+        locked.mkdir()
+        locked.chmod(0o500)
+        try:
+            (locked / "probe").write_text("")
+            writable = True
+        except OSError:
+            writable = False
+        if writable:   # root ignores permissions
+            locked.chmod(0o700)
+            pytest.skip("this user can write into a folder without write permission")
+        out = locked / "r.json" if where == "unwritable" else locked / "sub" / "r.json"
+        message = "cannot write a file in the folder" if where == "unwritable" else "does not exist and cannot be made"
+    try:
+        assert main(["run", "quadratic", "--steps", "5", "--out", str(out), "--no-progress"]) == 2
+    finally:
+        if where.startswith("unwritable"):
+            (tmp_path / "locked").chmod(0o700)
+    err = capsys.readouterr().err
+    assert f"error: --out {out}: " in err and message in err
+
+
+def test_cli_out_in_a_folder_that_takes_no_file(capsys, monkeypatch):
+    """As root a folder without write permission still takes files; /proc takes none."""
+    if not os.path.isdir("/proc"):
+        pytest.skip("no /proc")
+    monkeypatch.setattr("lowprec_demo.experiments.train_variants", lambda *a, **k: pytest.fail("training started"))
+    assert main(["run", "quadratic", "--out", "/proc/lowprec-test/r.json", "--no-progress"]) == 2
+    assert "--out /proc/lowprec-test/r.json: the folder /proc/lowprec-test does not exist" in capsys.readouterr().err
+
+
+def test_cli_out_makes_missing_folders(tmp_path):
+    out = tmp_path / "new" / "deeper" / "r.json"
+    assert main(["run", "quadratic", "--steps", "5", "--set", "dim=4", "--out", str(out), "--no-progress"]) == 0
+    assert out.is_file()
+
+
 def test_cli_list(capsys):
     assert main(["list"]) == 0
     assert "quadratic" in capsys.readouterr().out
