@@ -33,6 +33,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -116,6 +117,23 @@ def _rounds(cases: Dict[str, Callable[[], object]], device: str, repeats: int, w
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
+@contextlib.contextmanager
+def _quiet_kineto():
+    """Keep the profiler's library (kineto) from writing two lines to stderr every time it starts
+    and stops (``USDT: ... SyncActivityProfilerHandler.cpp:52] profiler_start``). Kineto reads
+    ``KINETO_LOG_LEVEL`` when a profile starts; 6 lies above its highest level (USDT, 5), so
+    nothing is logged, its own errors included (a failed profile still raises, and the caller
+    then reports no memory). A level the user set is left alone."""
+    if "KINETO_LOG_LEVEL" in os.environ:
+        yield
+        return
+    os.environ["KINETO_LOG_LEVEL"] = "6"
+    try:
+        yield
+    finally:
+        os.environ.pop("KINETO_LOG_LEVEL", None)
+
+
 def _peak_extra_bytes(fn: Callable[[], object], device: str) -> Optional[int]:
     """The most memory ``fn`` holds at once beyond what was allocated before it: on a GPU the
     CUDA allocator's peak; on the CPU the running sum of the allocations and frees torch's
@@ -131,7 +149,7 @@ def _peak_extra_bytes(fn: Callable[[], object], device: str) -> Optional[int]:
         return torch.cuda.max_memory_allocated() - before
     try:
         from torch.profiler import ProfilerActivity, profile
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with _quiet_kineto(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             out = fn()
             del out
         running = peak = 0
@@ -516,17 +534,57 @@ TARGETS = {"nearest bf16/fp16": 1.5, "nearest, other formats": 2.5, "stochastic"
            "nearest": 1.10, "stochastic step": 1.10, "nearest+observer": 1.15, "plain+predictor": 1.15}
 
 
+#: the sizes the targets are set for: those of the full run on a CPU (``--threads 1``)
+TARGET_SIZES = {"quantize elements": 1 << 24, "models": ("nanogpt-quick", "gpt2")}
+
+#: what follows a missed target in a ``--quick`` run, whose sizes are not the targets'
+QUICK_MARK = "(quick: not comparable)"
+
+
 def _met(value: Optional[float], limit: float) -> str:
     return "-" if value is None else ("yes" if value <= limit else "no")
+
+
+def _is_quick(result: dict) -> bool:
+    """Whether a result comes from ``--quick`` (older files: read from the command line kept
+    in them)."""
+    if "quick" in result:
+        return bool(result["quick"])
+    return "--quick" in str(result.get("command", "")).split()
+
+
+def _quick_note(result: dict) -> str:
+    """The note above a quick run's judgement: how its sizes differ from the targets'."""
+    q = result.get("quantize") or []
+    models = [t["model"] for t in result.get("training") or []]
+    parts = []
+    if q and q[0]["n"] != TARGET_SIZES["quantize elements"]:
+        parts.append(f"quantize on {q[0]['n'] / 2**20:g}M elements, not "
+                     f"{TARGET_SIZES['quantize elements'] / 2**20:g}M")
+    left_out = [m for m in TARGET_SIZES["models"] if m not in models]
+    if left_out:
+        parts.append(f"no training step of {', '.join(left_out)}")
+    parts.append("fewer timed rounds")
+    return (f"Quick run (--quick): {'; '.join(parts)}. These are not the sizes the targets are set for, so a "
+            f"verdict below is not comparable with the stored full run, and a missed target is marked "
+            f"\"{QUICK_MARK}\". `python -m lowprec_demo.bench --threads 1` measures at the targets' sizes.")
 
 
 def summary(result: dict) -> str:
     """The ratios of a :func:`run` result against :data:`TARGETS`, as two Markdown tables (the
     short form the README and the book's introduction show). Training steps are judged both
     ways the benchmark measures them: the whole step against the plain step, and the added work
-    timed alone over the plain step."""
+    timed alone over the plain step.
+
+    A ``--quick`` result is judged the same way, under a note that says how its sizes differ from
+    the targets', and each missed target is marked :data:`QUICK_MARK` rather than a bare "no"."""
     m = result["machine"]
-    out = [f"Measured {m['date'][:10]} on {m['device_name']} ({m['device']}, {m['threads']} of {m['cpu_count']} "
+    quick = _is_quick(result)
+
+    def verdict(text: str) -> str:
+        return f"{text} {QUICK_MARK}" if quick and "no" in text.split() else text
+    out = [_quick_note(result), ""] if quick else []
+    out += [f"Measured {m['date'][:10]} on {m['device_name']} ({m['device']}, {m['threads']} of {m['cpu_count']} "
            f"cores), torch {m['torch']}, lowprec_demo {m.get('package_version')} at commit "
            f"{(m.get('git_commit') or 'unknown')[:12]}."]
     q = result.get("quantize") or []
@@ -539,8 +597,9 @@ def summary(result: dict) -> str:
                      TARGETS["nearest, other formats"]) if nearest else TARGETS["stochastic"]
             native = f"x.to({r['native_dtype']}).float()" + ("" if r["native_is_own_dtype"] else " (no own dtype)")
             rows.append([r["format"], r["rounding"], native, _fmt(r["native_ms"], 1), _fmt(r["quantize_ms"], 1),
-                         _fmt(r["ratio"]), f"<= {limit:g}", _met(r["ratio"], limit), _fmt(r["extra_memory_inputs"]),
-                         _met(r["extra_memory_inputs"], TARGETS["memory / input"])])
+                         _fmt(r["ratio"]), f"<= {limit:g}", verdict(_met(r["ratio"], limit)),
+                         _fmt(r["extra_memory_inputs"]),
+                         verdict(_met(r["extra_memory_inputs"], TARGETS["memory / input"]))])
         out.append(_table([f"quantize, {q[0]['n'] / 2**20:g}M fp32", "rounding", "native round trip", "native ms",
                            "quantize ms", "ratio", "target", "met", "memory / input (<= 2)", "met"], rows))
     training = result.get("training") or []
@@ -554,7 +613,7 @@ def summary(result: dict) -> str:
                 limit = TARGETS["stochastic step" if v == "stochastic" else v]
                 step, parts = t["ratio"][v], t["ratio_from_parts"][v]
                 rows.append([t["model"], v, _fmt(t["step_ms"]["plain"], 1), _fmt(t["step_ms"][v], 1), _fmt(step, 3),
-                             _spread(t, v), _fmt(parts, 3), f"<= {limit:g}", f"{_met(step, limit)} / {_met(parts, limit)}"])
+                             _spread(t, v), _fmt(parts, 3), f"<= {limit:g}", verdict(f"{_met(step, limit)} / {_met(parts, limit)}")])
         out.append(_table(["training step", "variant", "plain ms", "variant ms", "ratio", "middle half of rounds",
                            "1 + added alone / plain", "target", "met (ratio / alone)"], rows))
     return "\n".join(out)
@@ -579,7 +638,7 @@ def run(device: str = "cpu", quick: bool = False, size: Optional[int] = None, re
         models = ["nanogpt-quick", "gpt2"] if (on_gpu or not quick) else ["nanogpt-quick"]
     if scale_sizes is None:
         scale_sizes = [1 << 20, 1 << 22, 1 << 24, 1 << 26] if not quick else [1 << 18, 1 << 20, 1 << 22]
-    result = {"machine": _machine(device), "command": " ".join(sys.argv)}
+    result = {"machine": _machine(device), "command": " ".join(sys.argv), "quick": quick}
     say("compiling the fused kernels ...")
     result["compile"] = warm_up(device)
     say(f"quantize, {size} elements ...")

@@ -11,6 +11,7 @@ setting and overflow policy), and on the freeze rule (against ``would_freeze``,
 
 import math
 import os
+import subprocess
 import sys
 
 import numpy as np
@@ -594,11 +595,41 @@ def test_benchmark_runs_at_tiny_sizes(tmp_path, capsys, monkeypatch):
     result["quantize"][0]["ratio"] = 9.0     # bf16 nearest, target 1.5
     result["training"][0]["ratio"]["stochastic"] = 1.5
     result["training"][0]["ratio_from_parts"]["stochastic"] = 1.01
-    rows = {tuple(c.strip() for c in line.split("|")[1:3]): line for line in bench.summary(result).splitlines()}
+    # a quick run: the note says its sizes are not the targets', a missed target says so too
+    assert result["quick"] is True
+    quick = bench.summary(result)
+    assert quick.startswith("Quick run (--quick): quantize on 0.00476837M elements, not 16M; "
+                            "no training step of gpt2; fewer timed rounds.")
+    rows = {tuple(c.strip() for c in line.split("|")[1:3]): line for line in quick.splitlines()}
+    assert rows[("bf16", "nearest")].rstrip(" |").split("|")[-3].strip() == "no (quick: not comparable)"
+    assert "| no / yes (quick: not comparable) " in rows[("nanogpt-quick", "stochastic")]
+    # the full run's judgement is unchanged: a bare "no", no note
+    result["quick"] = False
+    full = bench.summary(result)
+    assert full.startswith("Measured ") and "not comparable" not in full and "Quick run" not in full
+    rows = {tuple(c.strip() for c in line.split("|")[1:3]): line for line in full.splitlines()}
     assert rows[("bf16", "nearest")].rstrip(" |").split("|")[-3].strip() == "no"
     assert "| no / yes " in rows[("nanogpt-quick", "stochastic")]
+    # a file written before the flag was kept: read from its command line
+    del result["quick"]
+    result["command"] = "python -m lowprec_demo.bench --quick"
+    assert bench.summary(result).startswith("Quick run")
     with pytest.raises(SystemExit):
         bench.main(["--summary-of", str(tmp_path / "missing.json")])
+
+
+def test_memory_profile_prints_nothing():
+    """torch's profiler (kineto) logs two lines to stderr per profile unless told not to when it
+    first starts in a process (a fresh process here: another test may have started it)."""
+    code = ("import os, torch; from lowprec_demo import bench; "
+            "print(bench._peak_extra_bytes(lambda: torch.ones(1000) * 2, 'cpu')); "
+            "print(os.environ.get('KINETO_LOG_LEVEL'))")
+    env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    peak, level = proc.stdout.split()
+    assert int(peak) >= 4000 and level == "None"   # measured, and the variable put back
+    assert "profiler_start" not in proc.stderr and "USDT" not in proc.stderr, proc.stderr
 
 
 def test_spread_is_the_quartiles_of_the_per_round_ratios():
