@@ -27,7 +27,12 @@ def check_site():
     return module
 
 
-RENDERED = '<span class="math notranslate nohighlight"><mjx-container class="MathJax CtxtMenu_Attached_0" jax="CHTML"><mjx-math><mjx-mi class="mjx-i"><mjx-c class="mjx-c1D464 TEX-I"></mjx-c></mjx-mi></mjx-math><mjx-assistive-mml><math><mi>w</mi></math></mjx-assistive-mml></mjx-container></span>'
+# A formula as MathJax 3 leaves it in the DOM (CommonHTML output, with its assistive MathML).
+RENDERED = (
+    '<span class="math notranslate nohighlight"><mjx-container class="MathJax" jax="CHTML">'
+    '<mjx-math><mjx-mi class="mjx-i"><mjx-c class="mjx-c1D464 TEX-I"></mjx-c></mjx-mi></mjx-math>'
+    "<mjx-assistive-mml><math><mi>w</mi></math></mjx-assistive-mml></mjx-container></span>"
+)
 
 
 def page(body: str, head: str = "") -> str:
