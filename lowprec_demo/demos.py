@@ -51,7 +51,7 @@ class BitFields:
 
     @property
     def pattern(self) -> int:
-        """The whole bit pattern as an unsigned integer: sign, then exponent, then mantissa."""
+        """The whole bit pattern as an unsigned integer (sign, then exponent, then mantissa)."""
         return (self.sign << (self.exp_bits + self.man_bits)) | (self.exponent << self.man_bits) | self.mantissa
 
     @property

@@ -139,17 +139,18 @@ class FloatFormat:
 
     @property
     def smallest_subnormal(self) -> float:
-        """``2**(e_min - m)``: the constant spacing below the smallest normal."""
+        """The smallest subnormal number ``2**(e_min - m)``, which is also the constant spacing of
+        the grid below the smallest normal."""
         return 2.0 ** (self.e_min - self.man_bits)
 
     @property
     def eps(self) -> float:
-        """Machine epsilon, the distance from 1 to the next larger value: ``2**-m``."""
+        """Machine epsilon ``2**-m``, the distance from 1 to the next larger value."""
         return 2.0**-self.man_bits
 
     @property
     def bits(self) -> int:
-        """Total width: sign + exponent + mantissa."""
+        """The total width in bits, ``1 + E + m`` (sign, exponent and mantissa)."""
         return 1 + self.exp_bits + self.man_bits
 
     @property
