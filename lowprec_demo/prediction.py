@@ -15,6 +15,10 @@ With k random bits an element whose ``|d|/gap`` rounds to zero at k bits never m
 Observation: in a low-precision run an element is frozen at step t when its stored value did not
 change.
 
+Both are :class:`StepTracker` objects with one protocol: call ``before_step()`` just before
+``optimizer.step()`` and ``after_step()`` just after it; ``record(fmt)`` returns the
+:class:`FreezeRecord` of a format and ``records`` holds them all by format name.
+
 The freeze step for a threshold tau is the first step from which the frozen fraction stays at or
 above tau until the end of the run.
 
@@ -39,7 +43,7 @@ from . import _fused
 from .formats import FloatFormat, get_format
 from .rounding import quantize, update_ulp_ratio, would_freeze
 
-__all__ = ["FreezeRecord", "FreezePredictor", "FreezeObserver", "freeze_step", "freeze_order",
+__all__ = ["FreezeRecord", "StepTracker", "FreezePredictor", "FreezeObserver", "freeze_step", "freeze_order",
            "steps_agree", "named_tensors", "RATIO_BINS"]
 
 # log2(|d| / gap) histogram bins: edges -24, -23, ..., +8 (values outside go to the end bins).
@@ -78,14 +82,21 @@ def freeze_step(fractions: Sequence[float], threshold: float) -> Optional[int]:
 
 
 def steps_agree(predicted: Optional[int], observed: Optional[int], total_steps: int) -> bool:
-    """The book's tolerance: both exist and differ by at most max(2 steps, 2 % of the run).
+    """The book's tolerance: the predicted and observed freeze steps differ by at most
+    max(2 steps, 2 % of the run).
+
+    A freeze step is None when the frozen fraction does not stay at or above the threshold by the
+    end of the run. Both None is agreement: the prediction that nothing freezes within the run,
+    confirmed. One None and the other a step is not. A tally of how often the prediction holds
+    where something froze leaves the runs where both are None out (the sweep's rows say which
+    with ``froze``).
 
     Example:
-        >>> steps_agree(100, 103, 500), steps_agree(100, 103, 100)
-        (True, False)
+        >>> steps_agree(100, 103, 500), steps_agree(100, 103, 100), steps_agree(None, None, 100)
+        (True, False, True)
     """
     if predicted is None or observed is None:
-        return False
+        return predicted is None and observed is None
     return abs(predicted - observed) <= max(2, 0.02 * total_steps)
 
 
@@ -229,10 +240,30 @@ class _Pack:
         return self._now
 
 
-class _StepTracker:
-    """Snapshot tracked tensors before a step, compare after it."""
+class StepTracker:
+    """What :class:`FreezeObserver` and :class:`FreezePredictor` share: a snapshot of the tracked
+    tensors taken by :meth:`before_step`, just before ``optimizer.step()``, compared with their
+    new values by :meth:`after_step`, just after it, which adds one point per step to the
+    records. The snapshot lives in buffers kept from step to step (one copy of the tracked
+    tensors); the tracked tensors may change between steps (optimizer state appears after the
+    first one).
+
+    Args:
+        tensors: what to track: a module, a mapping name -> tensor, or a callable returning one.
+
+    Attributes:
+        records: one :class:`FreezeRecord` per format, by format name.
+
+    Example:
+        >>> w = torch.nn.Parameter(torch.ones(2))
+        >>> tracker = FreezeObserver({"w": w}, "bf16")
+        >>> tracker.before_step(); w.data[0] = 2.0; tracker.after_step()
+        >>> tracker.record().overall, list(tracker.records)
+        ([0.5], ['bf16'])
+    """
 
     def __init__(self, tensors: TensorSource) -> None:
+        self.records: Dict[str, FreezeRecord] = {}
         self._source = tensors
         self._before: Dict[str, torch.Tensor] = {}
         self._layout: Optional[tuple] = None
@@ -245,6 +276,16 @@ class _StepTracker:
     @staticmethod
     def _layout_of(tensors: Dict[str, torch.Tensor]) -> tuple:
         return tuple((k, v.shape, v.dtype, v.device) for k, v in tensors.items())
+
+    def record(self, fmt: Union[str, FloatFormat, None] = None) -> FreezeRecord:
+        """The record of format ``fmt`` (a name or a FloatFormat), or of the first format when
+        None; a KeyError names the recorded formats otherwise."""
+        if fmt is None:
+            return next(iter(self.records.values()))
+        name = get_format(fmt).name
+        if name not in self.records:
+            raise KeyError(f"no record for {name}; recorded: {', '.join(self.records) or 'none'}")
+        return self.records[name]
 
     @torch.no_grad()
     def before_step(self) -> None:
@@ -264,6 +305,11 @@ class _StepTracker:
             pack.snapshot(values[start:start + len(pack.names)])
             start += len(pack.names)
         self._before = self._views
+
+    def after_step(self) -> None:
+        """Compare the tracked tensors with the snapshot and add one step to every record (call
+        just after ``optimizer.step()``); each tracker says what it counts."""
+        raise NotImplementedError
 
     def _pairs(self):
         now = self._current()
@@ -287,24 +333,39 @@ class _StepTracker:
         return out
 
 
-class FreezeObserver(_StepTracker):
+class FreezeObserver(StepTracker):
     """Observed freezing in a low-precision run: an element is frozen at a step when its stored
-    value did not change.
+    value did not change. Call :meth:`before_step` just before ``optimizer.step()`` and
+    :meth:`after_step` just after it.
+
+    Args:
+        tensors: what to track: a module, a mapping name -> tensor, or a callable returning one
+            (for optimizer state, which appears after the first step).
+        format: the format the stored values live in, the name of the record.
+
+    Attributes:
+        records: the one record, ``{format name: FreezeRecord}``; :meth:`record` returns it.
 
     Example:
         >>> w = torch.nn.Parameter(torch.ones(2))
-        >>> obs = FreezeObserver({"w": w}); obs.before_step(); w.data[0] = 2.0; obs.after_step()
-        >>> obs.record.overall
+        >>> obs = FreezeObserver({"w": w}, "bf16"); obs.before_step(); w.data[0] = 2.0; obs.after_step()
+        >>> obs.record().overall
         [0.5]
     """
 
-    def __init__(self, tensors: TensorSource, format: str = "") -> None:
+    def __init__(self, tensors: TensorSource, format: Union[str, FloatFormat] = "") -> None:
         super().__init__(tensors)
-        self.record = FreezeRecord(format=str(format), kind="observed")
+        self._record = FreezeRecord(format=str(format), kind="observed")
+        self.records = {get_format(format).name if format else str(format): self._record}
+
+    def record(self, fmt: Union[str, FloatFormat, None] = None) -> FreezeRecord:
+        """The observed record; ``fmt``, when given, must be the observed format."""
+        return self._record if fmt is None else super().record(fmt)
 
     @torch.no_grad()
     def after_step(self) -> None:
-        """Count unchanged elements per tensor (call just after ``optimizer.step()``)."""
+        """Count the elements whose stored value did not change, per tensor and overall, and add
+        them as one step of the record (call just after ``optimizer.step()``)."""
         packed = self._packed_now()
         if packed is None:
             pairs = [(name, int((new == old).sum().item()), new.numel()) for name, old, new in self._pairs()]
@@ -322,26 +383,31 @@ class FreezeObserver(_StepTracker):
             self._append(name, frozen / n if n else math.nan, n)
             total_frozen += frozen
             total += n
-        self.record.overall.append(total_frozen / total if total else math.nan)
+        self._record.overall.append(total_frozen / total if total else math.nan)
         self._before = {}
 
     def _append(self, name: str, value: float, n: int) -> None:
-        rec = self.record
+        rec = self._record
         if name not in rec.by_tensor:   # state tensors appear after the first step: pad with NaN
             rec.by_tensor[name] = [math.nan] * len(rec.overall)
             rec.sizes[name] = n
         rec.by_tensor[name].append(value)
 
 
-class FreezePredictor(_StepTracker):
+class FreezePredictor(StepTracker):
     """Predict, during a high-precision reference run, which elements would freeze if the stored
-    values lived in each of ``formats`` (round to nearest), and how many SR would move.
+    values lived in each of ``formats`` (round to nearest), and how many SR would move. Call
+    :meth:`before_step` just before ``optimizer.step()`` and :meth:`after_step` just after it.
 
     Args:
         tensors: what to track: a module, a mapping name -> tensor, or a callable returning one
             (for optimizer state, which appears after the first step).
         formats: one or several formats, predicted at once.
         rand_bits: also predict few-bit SR with this many random bits (None: skip).
+
+    Attributes:
+        formats: the distinct formats predicted, as FloatFormats, in the order given.
+        records: one record per format, by format name; :meth:`record` returns one.
 
     Example: see the module docstring.
     """
@@ -362,14 +428,11 @@ class FreezePredictor(_StepTracker):
         self.records = {f.name: FreezeRecord(format=f.name, kind="predicted", rand_bits=rand_bits)
                         for f in self.formats}
 
-    def record(self, fmt: Union[str, FloatFormat, None] = None) -> FreezeRecord:
-        """The record of one format (the first one by default)."""
-        name = self.formats[0].name if fmt is None else get_format(fmt).name
-        return self.records[name]
-
     @torch.no_grad()
     def after_step(self) -> None:
-        """Predict freezing for the update just applied (call just after ``optimizer.step()``)."""
+        """Predict, for the update just applied, which elements would freeze in each format and
+        the fraction SR would move, and add them as one step of each record (call just after
+        ``optimizer.step()``)."""
         packed = self._packed_now()
         fused = packed is not None and all(
             pack.buffer.dtype == torch.float32 for pack, _ in packed) and all(

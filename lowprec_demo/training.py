@@ -237,7 +237,14 @@ class TrainResult:
         return run.frozen.freeze_step(threshold or self.config.threshold) if run.frozen else None
 
     def freeze_steps_agree(self, threshold: Optional[float] = None) -> bool:
-        """Predicted and observed (nearest) freeze steps within max(2 steps, 2 % of the run)."""
+        """Whether the predicted and observed (nearest) freeze steps agree within max(2 steps,
+        2 % of the run), by :func:`~lowprec_demo.prediction.steps_agree`: also True when neither
+        reaches the threshold within the run (nothing freezes, as predicted), False when only
+        one does. To count only runs where something froze, check that
+        ``predicted_freeze_step()`` is not None as well.
+
+        Example: ``run_experiment("quadratic", steps=300, progress=False).freeze_steps_agree()``
+        -> ``True``."""
         return steps_agree(self.predicted_freeze_step(threshold), self.observed_freeze_step("nearest", threshold),
                            self.config.steps)
 
@@ -538,11 +545,11 @@ def _run_one(variant: str, model: torch.nn.Module, task: Task, config: TrainConf
         if progress and (step % 10 == 0 or last):
             post = {"loss": f"{record.loss[-1]:.4g}"}
             if observer is not None:
-                post["frozen"] = f"{observer.record.overall[-1]:.3f}"
+                post["frozen"] = f"{observer.record().overall[-1]:.3f}"
             bar.set_postfix(post)
     record.seconds = (datetime.now() - start).total_seconds()
     if observer is not None:
-        record.frozen = observer.record
+        record.frozen = observer.record()
     return record, predictor, model
 
 

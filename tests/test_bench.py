@@ -468,9 +468,9 @@ def test_packed_observer_matches_the_tensor_by_tensor_path(mode):
             packed.after_step(), by_tensor.after_step()
     finally:
         _fused.set_mode(previous)
-    assert repr(packed.record.by_tensor) == repr(by_tensor.record.by_tensor)   # (NaN included)
-    assert packed.record.overall == by_tensor.record.overall
-    assert len(packed.record.by_tensor["s"]) == 3 and all(map(math.isnan, packed.record.by_tensor["z"]))
+    assert repr(packed.record().by_tensor) == repr(by_tensor.record().by_tensor)   # (NaN included)
+    assert packed.record().overall == by_tensor.record().overall
+    assert len(packed.record().by_tensor["s"]) == 3 and all(map(math.isnan, packed.record().by_tensor["z"]))
 
 
 def test_trackers_follow_tensors_that_appear_later():
@@ -489,9 +489,9 @@ def test_trackers_follow_tensors_that_appear_later():
         packed.before_step(), reference.before_step()
         opt.step()
         packed.after_step(), reference.after_step()
-    assert math.isnan(packed.record.by_tensor["m"][0])
-    assert repr(packed.record.by_tensor) == repr(reference.record.by_tensor)   # (NaN included)
-    assert packed.record.overall == reference.record.overall
+    assert math.isnan(packed.record().by_tensor["m"][0])
+    assert repr(packed.record().by_tensor) == repr(reference.record().by_tensor)   # (NaN included)
+    assert packed.record().overall == reference.record().overall
 
 
 # ------------------------------------------------------------------------------------------------

@@ -83,9 +83,9 @@ def test_observer_counts_unchanged_elements_and_state_appears_later():
         obs_params.before_step(); obs_state.before_step()
         opt.step()
         obs_params.after_step(); obs_state.after_step()
-    assert obs_params.record.overall == [0.75, 0.75, 0.75]
-    assert math.isnan(obs_state.record.overall[0])  # no state before the first step
-    assert obs_state.record.by_tensor["exp_avg"][1:] == [0.75, 0.75]
+    assert obs_params.record().overall == [0.75, 0.75, 0.75]
+    assert math.isnan(obs_state.record().overall[0])  # no state before the first step
+    assert obs_state.record().by_tensor["exp_avg"][1:] == [0.75, 0.75]
 
 
 def test_freeze_step_definition():
@@ -102,7 +102,40 @@ def test_steps_agree_tolerance():
     assert not steps_agree(10, 13, 50)
     assert steps_agree(100, 110, 500)     # 2 % of 500
     assert not steps_agree(100, 111, 500)
-    assert not steps_agree(None, 3, 10)
+    assert not steps_agree(None, 3, 10) and not steps_agree(3, None, 10)
+
+
+def test_neither_freezing_is_agreement_and_the_sweep_says_nothing_froze():
+    """Both freeze steps None: the prediction "nothing freezes within the run" holds."""
+    assert steps_agree(None, None, 10)
+    r = lp.run_experiment("quadratic", fmt="bf16", steps=5, dim=4, variants=("reference", "nearest"),
+                          progress=False)
+    assert r.predicted_freeze_step() is None and r.observed_freeze_step() is None
+    assert r.freeze_steps_agree()
+    rows = lp.sweep("quadratic", man_bits=[3, 7], steps=5, dim=4) + lp.sweep("quadratic", man_bits=[3], steps=200)
+    assert [(row["agree"], row["froze"]) for row in rows] == [(True, False), (True, False), (True, True)]
+
+
+def test_observer_and_predictor_have_one_shape():
+    w = torch.nn.Parameter(torch.ones(4))
+    observer, predictor = FreezeObserver({"w": w}, "bfloat16"), FreezePredictor({"w": w}, ["bf16", "e4m3"])
+    for tracker in (observer, predictor):
+        assert isinstance(tracker, lp.prediction.StepTracker)
+        tracker.before_step()
+    w.data[0] -= 1e-3
+    w.data[1] += 1.0
+    observer.after_step(), predictor.after_step()
+    assert list(observer.records) == ["bf16"] and list(predictor.records) == ["bf16", "e4m3"]
+    assert observer.record() is observer.record("bf16") is observer.records["bf16"]
+    assert predictor.record() is predictor.record("bf16") is predictor.records["bf16"]
+    assert observer.record().overall == [0.5]      # two stored values changed
+    assert predictor.record().overall == [0.75]    # -1e-3 is under half a bf16 ulp of 1
+    with pytest.raises(KeyError, match="no record for e4m3; recorded: bf16"):
+        observer.record("e4m3")
+    with pytest.raises(KeyError, match="no record for fp16; recorded: bf16, e4m3"):
+        predictor.record("fp16")
+    with pytest.raises(NotImplementedError):
+        lp.prediction.StepTracker({"w": w}).after_step()
 
 
 def test_freeze_order_lists_first_frozen_first():

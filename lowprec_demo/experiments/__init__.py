@@ -145,8 +145,11 @@ def sweep(name: str, man_bits: Sequence[int] = (7,), lrs: Sequence[Optional[floa
           seeds: Sequence[int] = (0,), progress: bool = False, keep_results: bool = False, **overrides) -> List[dict]:
     """Run ``name`` for every combination of mantissa length (format ``e{exp_bits}m{m}``), learning
     rate and seed; one row per run with the predicted and observed freeze steps, whether they agree
-    within max(2 steps, 2 % of the run), and the final losses. Only the reference and nearest runs
-    are trained unless ``variants`` is given.
+    within max(2 steps, 2 % of the run) (``agree``, see
+    :func:`~lowprec_demo.prediction.steps_agree`: True as well when neither freezes within the
+    run), whether either froze (``froze``; to count agreement only where something froze, count
+    the rows where both hold), and the final losses. Only the reference and nearest runs are
+    trained unless ``variants`` is given.
 
     Example:
         >>> rows = sweep("quadratic", man_bits=[4, 6], steps=100)
@@ -162,6 +165,7 @@ def sweep(name: str, man_bits: Sequence[int] = (7,), lrs: Sequence[Optional[floa
         pred, obs = result.predicted_freeze_step(), result.observed_freeze_step()
         row = {"man_bits": m, "lr": result.config.lr, "seed": s, "steps": result.config.steps,
                "predicted": pred, "observed": obs, "agree": steps_agree(pred, obs, result.config.steps),
+               "froze": pred is not None or obs is not None,
                **{f"final_loss_{v}": run.loss[-1] for v, run in result.runs.items()}}
         if keep_results:
             row["result"] = result
