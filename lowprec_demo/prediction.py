@@ -358,10 +358,6 @@ class FreezeObserver(StepTracker):
         self._record = FreezeRecord(format=str(format), kind="observed")
         self.records = {get_format(format).name if format else str(format): self._record}
 
-    def record(self, fmt: Union[str, FloatFormat, None] = None) -> FreezeRecord:
-        """The observed record; ``fmt``, when given, must be the observed format."""
-        return self._record if fmt is None else super().record(fmt)
-
     @torch.no_grad()
     def after_step(self) -> None:
         """Count the elements whose stored value did not change, per tensor and overall, and add

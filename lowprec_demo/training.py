@@ -240,13 +240,21 @@ class TrainResult:
         """Whether the predicted and observed (nearest) freeze steps agree within max(2 steps,
         2 % of the run), by :func:`~lowprec_demo.prediction.steps_agree`: also True when neither
         reaches the threshold within the run (nothing freezes, as predicted), False when only
-        one does. To count only runs where something froze, check that
-        ``predicted_freeze_step()`` is not None as well.
+        one does. To count only runs where something froze, use :meth:`froze_as_predicted`.
 
         Example: ``run_experiment("quadratic", steps=300, progress=False).freeze_steps_agree()``
         -> ``True``."""
         return steps_agree(self.predicted_freeze_step(threshold), self.observed_freeze_step("nearest", threshold),
                            self.config.steps)
+
+    def froze_as_predicted(self, threshold: Optional[float] = None) -> bool:
+        """Whether the round-to-nearest run froze, and at the step the reference run predicted:
+        both freeze steps exist and :meth:`freeze_steps_agree` holds. Unlike that method, False
+        when nothing freezes, so that a check or a tally of it counts only runs with a freeze.
+
+        Example: ``run_experiment("quadratic", steps=300, progress=False).froze_as_predicted()``
+        -> ``True``."""
+        return self.predicted_freeze_step(threshold) is not None and self.freeze_steps_agree(threshold)
 
     def final_loss(self, variant: str, window: int = 0) -> float:
         """The last training loss (or the mean of the last ``window`` losses)."""

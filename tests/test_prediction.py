@@ -142,3 +142,12 @@ def test_freeze_order_lists_first_frozen_first():
     rec = lp.FreezeRecord(format="bf16", kind="predicted",
                           by_tensor={"a": [0, 0, 1, 1], "b": [1, 1, 1, 1], "c": [0, 0, 0, 0]})
     assert freeze_order(rec, 0.5) == [("b", 0), ("a", 2), ("c", None)]
+
+
+
+def test_froze_as_predicted_needs_a_freeze():
+    froze = lp.run_experiment("quadratic", fmt="bf16", steps=300, progress=False, variants=("reference", "nearest"))
+    assert froze.predicted_freeze_step() is not None and froze.froze_as_predicted()
+    never = lp.run_experiment("quadratic", fmt="bf16", steps=5, dim=4, variants=("reference", "nearest"),
+                              progress=False)
+    assert never.freeze_steps_agree() and not never.froze_as_predicted()

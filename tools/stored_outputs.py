@@ -117,20 +117,20 @@ def problems(path: Path, package: str) -> list[str]:
 
 def check(paths: list[Path]) -> int:
     package = package_digest()
-    bad = 0
+    stale = []
     for path in paths:
         issues = problems(path, package)
         rel = path.relative_to(REPO)
         if issues:
-            bad += 1
+            stale.append(str(rel))
             print(f"{rel}: stored outputs are not current:")
             for issue in issues:
                 print(f"  - {issue}")
         else:
             print(f"{rel}: stored outputs current")
-    if bad:
-        print(f"\n{bad} notebook(s) need their outputs stored again: "
-              f"python tools/stored_outputs.py execute {' '.join(str(p.relative_to(REPO)) for p in paths if problems(p, package))}")
+    if stale:
+        print(f"\n{len(stale)} notebook(s) need their outputs stored again: "
+              f"python tools/stored_outputs.py execute {' '.join(stale)}")
         return 1
     return 0
 
