@@ -6,7 +6,8 @@ float32 or float64 tensors; float16 and bfloat16 tensors are widened to float32 
 Round to nearest, ties to even (RNE)
     ``quantize(x, fmt)`` is bit-identical to torch's casts to bfloat16, float16, float8_e4m3fn and
     float8_e5m2 for every fp32 input, and to ml_dtypes' casts for the fp6/fp4 types. float64 input is
-    rounded once, exactly (torch and ml_dtypes round it twice, through float32).
+    rounded once, exactly (torch rounds it twice, through float32, as ml_dtypes did
+    before 0.7).
 
 Overflow
     A value whose rounding lies beyond ``fmt.max`` follows the format's overflow policy:
