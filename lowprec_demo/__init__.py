@@ -21,10 +21,11 @@ import torch
 
 from .formats import FORMAT_NAMES, FloatFormat, format_table, get_format
 from .optimizer import LowPrecisionOptimizer, select_params
-from .prediction import FreezeObserver, FreezePredictor, FreezeRecord, freeze_order, freeze_step, steps_agree
+from .prediction import FreezeObserver, FreezePredictor, FreezeRecord, freeze_order, freeze_step, mask_mismatch, steps_agree
 from .rounding import move_probability, quantize, ulp, update_ulp_ratio, would_freeze
 from .runtime import by_scale, pick_device, progress_bar, scale, seed_everything
-from .training import Task, TrainConfig, TrainResult, lr_factor, run_formats, train_formats, train_variants
+from .training import (Task, TrainConfig, TrainResult, evidence_table, lr_factor, run_formats, train_formats,
+                       train_variants)
 from .results import load_result, stored_results
 from .experiments import experiment_names, make_config, run_experiment, sweep
 
@@ -35,7 +36,9 @@ __all__ = [
     "quantize", "ulp", "would_freeze", "move_probability", "update_ulp_ratio",
     "LowPrecisionOptimizer", "select_params",
     "FreezePredictor", "FreezeObserver", "FreezeRecord", "freeze_step", "freeze_order", "steps_agree",
+    "mask_mismatch",
     "Task", "TrainConfig", "TrainResult", "train_variants", "train_formats", "run_formats", "lr_factor",
+    "evidence_table",
     "load_result", "stored_results",
     "experiment_names", "make_config", "run_experiment", "sweep",
     "scale", "by_scale", "pick_device", "seed_everything", "progress_bar",

@@ -5,6 +5,11 @@ and return it.
 * :func:`plot_frozen`: predicted against observed frozen fraction, freeze steps marked.
 * :func:`plot_frozen_by_tensor`: the same per tensor (which layers freeze first).
 * :func:`plot_freeze_sweep`: predicted against observed freeze step, one point per run.
+* :func:`plot_baselines`: the prediction and the baselines that ignore the trajectory against
+  the observed frozen fraction.
+* :func:`plot_element_agreement`: per step, the fraction of elements whose predicted and
+  observed states differ, against what independent masks would give.
+* :func:`plot_evidence`: the two side by side, for one run.
 * :func:`plot_grid` and :func:`plot_ulp`: what a format's grid looks like.
 * :func:`plot_ratio_histogram`: the distribution of update/ULP ratios.
 
@@ -24,7 +29,8 @@ from .formats import get_format
 from .prediction import RATIO_BINS, freeze_step
 
 __all__ = ["COLORS", "plot_losses", "plot_frozen", "plot_frozen_by_tensor", "plot_freeze_sweep", "plot_grid",
-           "plot_ulp", "plot_ratio_histogram", "provenance_label", "grid_values"]
+           "plot_ulp", "plot_ratio_histogram", "provenance_label", "grid_values", "plot_baselines",
+           "plot_element_agreement", "plot_evidence"]
 
 COLORS = {"reference": "#222222", "nearest": "#d62728", "stochastic": "#1f77b4", "kahan": "#2ca02c",
           "predicted": "#ff7f0e", "observed": "#d62728"}
@@ -126,6 +132,67 @@ def plot_frozen(result, ax=None, threshold: Optional[float] = None, show_sr: boo
     ax.set_title(title or f"{result.experiment}, {result.format}: frozen fraction (threshold {threshold})")
     ax.legend(frameon=False, fontsize=8, loc="lower right")
     return ax
+
+
+BASELINE_STYLES = {"schedule": ("#9467bd", "--", "schedule rule (no trajectory)"),
+                   "always": ("0.55", ":", "always frozen"), "never": ("0.55", "-.", "never frozen")}
+
+
+def plot_baselines(result, ax=None, threshold: Optional[float] = None, title: Optional[str] = None):
+    """The observed (round-to-nearest) frozen fraction against the prediction from the reference
+    run and every baseline of ``result.baselines``, each labelled with its mean absolute error
+    over the run and its freeze step.
+
+    Example: ``plot_baselines(result)``."""
+    ax = _ax(ax)
+    threshold = threshold or result.config.threshold
+    errors = result.predictor_errors(threshold)
+    ax.plot(result.runs["nearest"].frozen.overall, color=COLORS["nearest"], lw=2.4, alpha=0.6,
+            label=f"observed (freeze step {result.observed_freeze_step('nearest', threshold)})")
+    curves = [("fp32", result.prediction.overall, COLORS["predicted"], "-",
+               f"predicted from the {_reference_name(result)} run")]
+    curves += [(name, curve, *BASELINE_STYLES.get(name, ("0.4", "--", name))) for name, curve in result.baselines.items()]
+    for name, curve, color, ls, label in curves:
+        e = errors[name]
+        ax.plot(curve, color=color, ls=ls, lw=1.4,
+                label=f"{label}: error {e['mean_abs_error']:.3f}, step {e['freeze_step']}")
+    ax.axhline(threshold, color="0.6", lw=0.8, ls=":")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_xlabel("step")
+    ax.set_ylabel("fraction of elements not moved")
+    ax.set_title(title or f"{result.experiment}, {result.format}: predictors against the observed freeze")
+    ax.legend(frameon=False, fontsize=7, loc="best")
+    return ax
+
+
+def plot_element_agreement(result, ax=None, title: Optional[str] = None):
+    """Per step, the fraction of elements whose predicted and observed frozen states differ,
+    against the fraction two independent masks with the same frozen fractions would give.
+
+    Example: ``plot_element_agreement(result)``."""
+    ax = _ax(ax)
+    a = result.element_agreement()
+    ax.plot(result.agreement["chance_mismatch"], color="0.5", lw=1.4, ls="--",
+            label=f"independent masks (mean {a['chance_mismatch']:.3f})")
+    ax.plot(result.agreement["element_mismatch"], color=COLORS["predicted"], lw=1.6,
+            label=f"prediction against observation (mean {a['element_mismatch']:.3f})")
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("step")
+    ax.set_ylabel("fraction of elements that disagree")
+    ax.set_title(title or f"{result.experiment}, {result.format}: element by element")
+    ax.legend(frameon=False, fontsize=8, loc="best")
+    return ax
+
+
+def plot_evidence(result, axes=None, threshold: Optional[float] = None, title: Optional[str] = None):
+    """:func:`plot_baselines` and :func:`plot_element_agreement` side by side; returns the two axes.
+
+    Example: ``ax1, ax2 = plot_evidence(result)``."""
+    if axes is None:
+        _, axes = plt.subplots(1, 2, figsize=(12, 4))
+    plot_baselines(result, ax=axes[0], threshold=threshold, title=title)
+    plot_element_agreement(result, ax=axes[1])
+    return axes
 
 
 def plot_frozen_by_tensor(result, ax=None, names: Optional[List[str]] = None, max_tensors: int = 8,

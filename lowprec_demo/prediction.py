@@ -15,6 +15,16 @@ With k random bits an element whose ``|d|/gap`` rounds to zero at k bits never m
 Observation: in a low-precision run an element is frozen at step t when its stored value did not
 change.
 
+Element by element: with ``keep_masks=True`` both trackers keep the last step's frozen mask
+(``masks[format][tensor]``, one bool per element), so that a reference run and a low-precision
+run stepped in lockstep can be compared element by element (:func:`mask_mismatch`) in memory
+proportional to the parameters.
+
+Baseline: the *schedule rule* (:meth:`FreezePredictor.schedule_rule`) predicts without the
+trajectory: it keeps only the first step's update of every element, measured in gaps of its
+initial stored value, and scales it by the learning-rate schedule (for SGD, eta_t times the first
+gradient; for Adam-type optimizers, whose first update is about eta_0 per element, eta_t).
+
 Both are :class:`StepTracker` objects with one protocol: call ``before_step()`` just before
 ``optimizer.step()`` and ``after_step()`` just after it; ``record(fmt)`` returns the
 :class:`FreezeRecord` of a format and ``records`` holds them all by format name.
@@ -44,7 +54,7 @@ from .formats import FloatFormat, get_format
 from .rounding import quantize, update_ulp_ratio, would_freeze
 
 __all__ = ["FreezeRecord", "StepTracker", "FreezePredictor", "FreezeObserver", "freeze_step", "freeze_order",
-           "steps_agree", "named_tensors", "RATIO_BINS"]
+           "steps_agree", "named_tensors", "mask_mismatch", "RATIO_BINS"]
 
 # log2(|d| / gap) histogram bins: edges -24, -23, ..., +8 (values outside go to the end bins).
 RATIO_BINS = list(range(-24, 9))
@@ -161,6 +171,27 @@ def freeze_order(record: FreezeRecord, threshold: float) -> List[tuple]:
     return sorted(steps.items(), key=lambda kv: (kv[1] is None, kv[1] if kv[1] is not None else 0, kv[0]))
 
 
+def mask_mismatch(predicted: Mapping[str, torch.Tensor], observed: Mapping[str, torch.Tensor]) -> tuple:
+    """Element-level agreement of two frozen masks over the same tensors: the fraction of
+    elements whose predicted and observed states differ, and the fraction that two independent
+    masks with the same two frozen fractions p and q would give, ``p(1-q) + q(1-p)`` (chance).
+
+    Example:
+        >>> a = {"w": torch.tensor([True, True, False, False])}
+        >>> b = {"w": torch.tensor([True, False, False, False])}
+        >>> mask_mismatch(a, b)
+        (0.25, 0.5)
+    """
+    names = [k for k in predicted if k in observed]
+    if not names:
+        return math.nan, math.nan
+    sums = torch.stack([torch.stack([(predicted[k] != observed[k]).sum(), predicted[k].sum(), observed[k].sum()])
+                        for k in names]).sum(0).tolist()
+    n = sum(predicted[k].numel() for k in names)
+    differ, p, q = sums[0] / n, sums[1] / n, sums[2] / n
+    return differ, p * (1 - q) + q * (1 - p)
+
+
 class _Pack:
     """Tracked tensors that share one flat snapshot buffer: a large tensor alone, or a run of
     small ones (see :func:`lowprec_demo._fused.pack`), so that a step costs a few operations
@@ -250,9 +281,12 @@ class StepTracker:
 
     Args:
         tensors: what to track: a module, a mapping name -> tensor, or a callable returning one.
+        keep_masks: also keep the last step's frozen mask of every tensor in ``masks``.
 
     Attributes:
         records: one :class:`FreezeRecord` per format, by format name.
+        masks: with ``keep_masks``, ``{format name: {tensor name: bool tensor}}`` for the last
+            step (replaced every step: one bool per element and format).
 
     Example:
         >>> w = torch.nn.Parameter(torch.ones(2))
@@ -262,8 +296,10 @@ class StepTracker:
         ([0.5], ['bf16'])
     """
 
-    def __init__(self, tensors: TensorSource) -> None:
+    def __init__(self, tensors: TensorSource, keep_masks: bool = False) -> None:
         self.records: Dict[str, FreezeRecord] = {}
+        self.keep_masks = keep_masks
+        self.masks: Dict[str, Dict[str, torch.Tensor]] = {}
         self._source = tensors
         self._before: Dict[str, torch.Tensor] = {}
         self._layout: Optional[tuple] = None
@@ -353,8 +389,8 @@ class FreezeObserver(StepTracker):
         [0.5]
     """
 
-    def __init__(self, tensors: TensorSource, format: Union[str, FloatFormat] = "") -> None:
-        super().__init__(tensors)
+    def __init__(self, tensors: TensorSource, format: Union[str, FloatFormat] = "", keep_masks: bool = False) -> None:
+        super().__init__(tensors, keep_masks)
         self._record = FreezeRecord(format=str(format), kind="observed")
         self.records = {get_format(format).name if format else str(format): self._record}
 
@@ -380,6 +416,8 @@ class FreezeObserver(StepTracker):
             total_frozen += frozen
             total += n
         self._record.overall.append(total_frozen / total if total else math.nan)
+        if self.keep_masks:   # the same comparison, kept element by element
+            self.masks = {next(iter(self.records)): {name: new == old for name, old, new in self._pairs()}}
         self._before = {}
 
     def _append(self, name: str, value: float, n: int) -> None:
@@ -400,6 +438,8 @@ class FreezePredictor(StepTracker):
             (for optimizer state, which appears after the first step).
         formats: one or several formats, predicted at once.
         rand_bits: also predict few-bit SR with this many random bits (None: skip).
+        keep_masks: also keep the last step's predicted frozen mask of every tensor and format in
+            ``masks``.
 
     Attributes:
         formats: the distinct formats predicted, as FloatFormats, in the order given.
@@ -409,8 +449,8 @@ class FreezePredictor(StepTracker):
     """
 
     def __init__(self, tensors: TensorSource, formats: Sequence[Union[str, FloatFormat]] = ("bf16",),
-                 rand_bits: Optional[int] = None) -> None:
-        super().__init__(tensors)
+                 rand_bits: Optional[int] = None, keep_masks: bool = False) -> None:
+        super().__init__(tensors, keep_masks)
         if isinstance(formats, (str, FloatFormat)):
             formats = [formats]
         self.formats = []
@@ -423,6 +463,7 @@ class FreezePredictor(StepTracker):
         self.rand_bits = rand_bits
         self.records = {f.name: FreezeRecord(format=f.name, kind="predicted", rand_bits=rand_bits)
                         for f in self.formats}
+        self._first_ratios: Dict[str, torch.Tensor] = {}
 
     @torch.no_grad()
     def after_step(self) -> None:
@@ -437,7 +478,42 @@ class FreezePredictor(StepTracker):
             self._after_step_packed(packed)
         else:
             self._after_step_by_tensor()
+        first = not self._first_ratios
+        if self.keep_masks or first:
+            pairs = list(self._pairs())
+            masks = {}
+            for fmt in self.formats:
+                stored = {name: quantize(old, fmt) for name, old, _ in pairs}
+                if self.keep_masks:
+                    masks[fmt.name] = {name: would_freeze(stored[name], new - old, fmt) for name, old, new in pairs}
+                if first:   # the first update in gaps of the initial stored value, sorted
+                    ratios = [update_ulp_ratio(stored[name], new - old, fmt).reshape(-1) for name, old, new in pairs]
+                    flat = torch.cat(ratios).double().cpu() if ratios else torch.zeros(0, dtype=torch.float64)
+                    self._first_ratios[fmt.name] = torch.sort(flat).values
+            self.masks = masks
         self._before = {}
+
+    def schedule_rule(self, fmt: Union[str, FloatFormat, None], lr_scale: Sequence[float]) -> List[float]:
+        """The schedule rule, a baseline that does not use the reference trajectory after its
+        first step: the fraction of elements whose first update, times ``lr_scale[t]``
+        (``eta_t / eta_0``), is below half the gap of the initial stored value, per step.
+
+        Example:
+            >>> w = torch.nn.Parameter(torch.ones(4))
+            >>> p = FreezePredictor({"w": w}, ["bf16"])
+            >>> p.before_step(); w.data -= torch.tensor([2e-3, 4e-3, 8e-3, 16e-3]); p.after_step()
+            >>> p.schedule_rule("bf16", [1.0, 0.5, 0.1])
+            [0.0, 0.25, 1.0]
+        """
+        name = self.formats[0].name if fmt is None else get_format(fmt).name
+        if name not in self._first_ratios:
+            raise KeyError(f"no first step recorded for {name}; predicted: {', '.join(f.name for f in self.formats)}")
+        ratios = self._first_ratios[name]
+        n = ratios.numel()
+        if n == 0:
+            return [math.nan] * len(lr_scale)
+        limits = torch.tensor([0.5 / s if s > 0 else math.inf for s in lr_scale], dtype=torch.float64)
+        return (torch.searchsorted(ratios, limits, side="left").double() / n).tolist()
 
     def _add(self, rec: FreezeRecord, per_tensor: List[tuple], moved_total: float, fewbit_total: float,
              hist: List[int]) -> None:

@@ -14,6 +14,13 @@ owns the optimizer, the learning-rate schedule, rounding, tracking and progress 
 a :class:`TrainResult` that the plotting helpers and the command line take. ``train_formats`` runs
 one reference for several formats at once (the reference predicts them all).
 
+The reference and the round-to-nearest runs are stepped in lockstep (the same step of each, in
+turn), so that the predicted and observed frozen masks of every step are compared element by
+element without keeping either beyond the step (``TrainResult.agreement``); the result is the
+same as running them one after the other. Beside the prediction, the result holds baselines
+that do not use the reference trajectory (``TrainResult.baselines``): the schedule rule, and
+the trivial "always frozen" and "never frozen".
+
 Under ``torchrun --nproc_per_node=N`` the same functions train data-parallel: each process a
 replica on its share of every batch, gradients averaged (DistributedDataParallel), stochastic
 rounding seeded alike everywhere so the replicas stay bit-identical.
@@ -44,16 +51,16 @@ import torch
 
 from .formats import get_format
 from .optimizer import LowPrecisionOptimizer, select_params
-from .prediction import FreezeObserver, FreezePredictor, FreezeRecord, freeze_step, steps_agree
+from .prediction import FreezeObserver, FreezePredictor, FreezeRecord, freeze_step, mask_mismatch, steps_agree
 from .runtime import default_file_mode, pick_device, progress_bar
 
 __all__ = ["TrainConfig", "Task", "RunRecord", "TrainResult", "train_variants", "train_formats", "run_formats",
            "lr_factor", "VARIANTS", "OPTIMIZERS", "SCHEDULES", "provenance", "atomic_write_json",
-           "Distributed", "init_distributed", "finish_distributed"]
+           "Distributed", "init_distributed", "finish_distributed", "evidence_table"]
 
 VARIANTS = ("reference", "nearest", "stochastic", "kahan")
 OPTIMIZERS = ("sgd", "adamw", "adam")
-SCHEDULES = ("constant", "cosine")
+SCHEDULES = ("constant", "cosine", "wsd", "step")
 
 
 @dataclass
@@ -62,7 +69,9 @@ class TrainConfig:
 
     ``lowprec_params`` chooses which parameters live in low precision (``"all"`` or
     ``"matrices"``); ``predict_formats`` lists extra formats the reference run predicts besides
-    ``format``; ``threshold`` is the frozen fraction that defines the freeze step; ``options``
+    ``format``; ``threshold`` is the frozen fraction that defines the freeze step. The schedule
+    (:data:`SCHEDULES`, see :func:`lr_factor`) uses ``warmup_steps`` and ``min_lr_ratio``;
+    ``"wsd"`` also ``decay_fraction``, ``"step"`` ``step_milestones`` and ``step_gamma``. ``options``
     holds experiment-specific settings (model sizes and the like). ``sr_seed`` seeds stochastic
     rounding's random bits (None: ``seed + 1``), so that SR can be drawn again on the same problem
     and initialisation.
@@ -80,6 +89,9 @@ class TrainConfig:
     schedule: str = "constant"
     warmup_steps: int = 0
     min_lr_ratio: float = 0.1
+    decay_fraction: float = 0.2
+    step_milestones: tuple = (0.5, 0.75)
+    step_gamma: float = 0.1
     threshold: float = 0.5
     lowprec_params: str = "all"
     rand_bits: Optional[int] = None
@@ -111,6 +123,14 @@ class TrainConfig:
             raise ValueError(f"lr must be a positive number, got {self.lr!r}")
         if not 0 < self.threshold <= 1:
             raise ValueError(f"threshold must be in (0, 1], got {self.threshold}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
+        if not 0 < self.decay_fraction <= 1:
+            raise ValueError(f"decay_fraction must be in (0, 1], got {self.decay_fraction!r}")
+        if not 0 < self.step_gamma <= 1:
+            raise ValueError(f"step_gamma must be in (0, 1], got {self.step_gamma!r}")
+        if any(not 0 < m < 1 for m in self.step_milestones):
+            raise ValueError(f"step_milestones are fractions of the run in (0, 1), got {list(self.step_milestones)}")
         if self.sr_seed is not None and (isinstance(self.sr_seed, bool) or not isinstance(self.sr_seed, int)
                                          or self.sr_seed < 0):
             raise ValueError(f"sr_seed must be None or a non-negative integer, got {self.sr_seed!r}")
@@ -129,6 +149,7 @@ class TrainConfig:
         d = dataclasses.asdict(self)
         d["betas"] = list(self.betas)
         d["predict_formats"] = list(self.predict_formats)
+        d["step_milestones"] = list(self.step_milestones)
         d["variants"] = list(self.variants)
         return d
 
@@ -210,7 +231,13 @@ def _thin(record: dict, max_points: int) -> dict:
 
 @dataclass
 class TrainResult:
-    """Everything a run produced: config, provenance, runs, and the prediction per format."""
+    """Everything a run produced: config, provenance, runs, and the prediction per format.
+
+    ``baselines`` maps each baseline predictor of the main format (``"schedule"``, ``"always"``,
+    ``"never"``) to its per-step frozen fraction, as long as the prediction; ``agreement`` holds,
+    per step of the round-to-nearest run, ``element_mismatch`` (the fraction of elements whose
+    predicted and observed frozen states differ) and ``chance_mismatch`` (what independent masks
+    with the same two fractions would give)."""
 
     experiment: str
     config: TrainConfig
@@ -218,6 +245,8 @@ class TrainResult:
     predictions: Dict[str, FreezeRecord]
     provenance: dict = field(default_factory=dict)
     description: str = ""
+    baselines: Dict[str, List[float]] = field(default_factory=dict)
+    agreement: Dict[str, List[float]] = field(default_factory=dict)
 
     # --- the numbers the book talks about -----------------------------------------------------
     @property
@@ -256,6 +285,54 @@ class TrainResult:
         -> ``True``."""
         return self.predicted_freeze_step(threshold) is not None and self.freeze_steps_agree(threshold)
 
+    def predictor_errors(self, threshold: Optional[float] = None) -> Dict[str, dict]:
+        """How far each predictor is from the observed (round-to-nearest) frozen fraction: the
+        reference run's prediction (``"fp32"``) and every baseline, each with
+        ``mean_abs_error`` (mean over the run of |F_predicted - F_observed|), ``freeze_step``,
+        ``step_error`` (its freeze step minus the observed one; None unless both exist) and
+        ``agrees`` (:func:`~lowprec_demo.prediction.steps_agree` with the observed step).
+
+        Example: ``run_experiment("quadratic", steps=300, progress=False).predictor_errors()["fp32"]``."""
+        threshold = threshold or self.config.threshold
+        observed = self.runs["nearest"].frozen.overall
+        obs_step = freeze_step(observed, threshold)
+        out = {}
+        for name, curve in {"fp32": self.prediction.overall, **self.baselines}.items():
+            pairs = [(a, b) for a, b in zip(curve, observed) if not (math.isnan(a) or math.isnan(b))]
+            step = freeze_step(curve, threshold)
+            out[name] = {"mean_abs_error": sum(abs(a - b) for a, b in pairs) / len(pairs) if pairs else math.nan,
+                         "freeze_step": step,
+                         "step_error": None if step is None or obs_step is None else step - obs_step,
+                         "agrees": steps_agree(step, obs_step, self.config.steps)}
+        return out
+
+    def is_decisive(self, threshold: Optional[float] = None) -> bool:
+        """Whether this run can tell the prediction from the baselines: the round-to-nearest run
+        froze, not in the first or last 5 % of the run, and no baseline of ``baselines`` puts
+        its freeze step within the tolerance of the observed one. Tallies of agreement count
+        only such runs (where any predictor would agree, agreement shows nothing).
+
+        Example: ``run_experiment("quadratic", steps=300, progress=False).is_decisive()`` -> ``True``."""
+        threshold = threshold or self.config.threshold
+        observed = self.observed_freeze_step("nearest", threshold)
+        T = self.config.steps
+        if observed is None or not 0.05 * T <= observed <= 0.95 * T:
+            return False
+        errors = self.predictor_errors(threshold)
+        return not any(errors[name]["agrees"] for name in self.baselines)
+
+    def element_agreement(self) -> dict:
+        """The element-level agreement over the run: the mean per-step ``element_mismatch`` and
+        ``chance_mismatch`` (see the class docstring), and ``ratio``, the first over the second
+        (0: the masks agree everywhere; 1: no better than chance).
+
+        Example: ``run_experiment("quadratic", steps=300, progress=False).element_agreement()["ratio"] < 0.5``."""
+        if not self.agreement:
+            raise ValueError("no element-level agreement in this result (it needs a reference and a nearest run)")
+        mism, chance = self.agreement["element_mismatch"], self.agreement["chance_mismatch"]
+        m, c = sum(mism) / len(mism), sum(chance) / len(chance)
+        return {"element_mismatch": m, "chance_mismatch": c, "ratio": m / c if c > 0 else math.nan}
+
     def final_loss(self, variant: str, window: int = 0) -> float:
         """The last training loss (or the mean of the last ``window`` losses)."""
         losses = self.runs[variant].loss
@@ -293,7 +370,9 @@ class TrainResult:
                 "freeze_step": main.freeze_step(threshold),
                 "observed_freeze_step": self.observed_freeze_step() if "nearest" in self.runs else None,
                 "sr_move_fraction": main.move_fraction,
+                "baselines": self.baselines,
             },
+            "agreement": self.agreement,
             "predictions": {name: _thin(rec.to_dict(), max_points) for name, rec in self.predictions.items()},
         }
 
@@ -302,12 +381,14 @@ class TrainResult:
         cfg = dict(d["config"])
         cfg["betas"] = tuple(cfg.get("betas", (0.9, 0.999)))
         cfg["predict_formats"] = tuple(cfg.get("predict_formats", ()))
+        cfg["step_milestones"] = tuple(cfg.get("step_milestones", (0.5, 0.75)))
         cfg["variants"] = tuple(cfg.get("variants", ()))
         config = TrainConfig(**{k: v for k, v in cfg.items() if k in {f.name for f in dataclasses.fields(TrainConfig)}})
         runs = {v: RunRecord.from_dict(v, r) for v, r in d["runs"].items()}
         preds = {name: FreezeRecord.from_dict(r) for name, r in d["predictions"].items()}
         return cls(experiment=d["experiment"], config=config, runs=runs, predictions=preds,
-                   provenance=d.get("provenance", {}), description=d.get("description", ""))
+                   provenance=d.get("provenance", {}), description=d.get("description", ""),
+                   baselines=d.get("prediction", {}).get("baselines", {}), agreement=d.get("agreement", {}))
 
     def save(self, path, max_points: int = 0) -> Path:
         """Write the result as JSON, atomically."""
@@ -317,6 +398,23 @@ class TrainResult:
     def load(cls, path) -> "TrainResult":
         with open(path) as f:
             return cls.from_dict(json.load(f))
+
+
+def evidence_table(cases: Dict[str, "TrainResult"], threshold: Optional[float] = None) -> str:
+    """One line per run: the observed freeze step; the freeze step and mean error
+    (|F - F_observed| over the run) of the prediction and of every baseline; the element-level
+    mismatch against chance; and whether the run is decisive (no baseline agrees).
+
+    Example: ``print(evidence_table({"bf16": result}))``."""
+    lines = []
+    for label, r in cases.items():
+        errors, a = r.predictor_errors(threshold), r.element_agreement()
+        parts = [f"{name} {e['freeze_step']} ({e['mean_abs_error']:.3f})" for name, e in errors.items()]
+        lines.append(f"{label}: observed {r.observed_freeze_step('nearest', threshold)}; step (error): "
+                     + ", ".join(parts)
+                     + f"; elements {a['element_mismatch']:.3f} vs chance {a['chance_mismatch']:.3f}"
+                     + ("; decisive" if r.is_decisive(threshold) else "; not decisive"))
+    return "\n".join(lines)
 
 
 def atomic_write_json(path, data: dict) -> Path:
@@ -375,19 +473,37 @@ def provenance(device: str) -> dict:
 
 # ------------------------------------------------------------------------------------------------
 def lr_factor(step: int, config: TrainConfig) -> float:
-    """Learning-rate multiplier at ``step``: linear warmup over ``warmup_steps``, then constant or
-    cosine decay to ``min_lr_ratio`` at the last step.
+    """Learning-rate multiplier at ``step``: linear warmup over ``warmup_steps``, then
+
+    * ``"constant"``: 1;
+    * ``"cosine"``: cosine decay from 1 to ``min_lr_ratio`` at the last step;
+    * ``"wsd"`` (warmup, stable, decay): 1 until the last ``decay_fraction`` of the run, then a
+      linear cooldown to ``min_lr_ratio`` at the last step;
+    * ``"step"``: 1, multiplied by ``step_gamma`` at each of ``step_milestones`` (fractions of the
+      run: step ``round(f * steps)`` is the first at the lower rate).
 
     Example:
         >>> cfg = TrainConfig(steps=101, schedule="cosine", min_lr_ratio=0.0)
         >>> lr_factor(0, cfg), lr_factor(100, cfg)
         (1.0, 0.0)
+        >>> cfg = TrainConfig(steps=100, schedule="step", step_milestones=(0.5,), step_gamma=0.1)
+        >>> lr_factor(49, cfg), lr_factor(50, cfg)
+        (1.0, 0.1)
     """
     if step < config.warmup_steps:
         return (step + 1) / config.warmup_steps
     if config.schedule == "constant":
         return 1.0
-    span = max(1, config.steps - 1 - config.warmup_steps)
+    if config.schedule == "step":
+        return config.step_gamma ** sum(step >= round(f * config.steps) for f in config.step_milestones)
+    last = config.steps - 1
+    if config.schedule == "wsd":
+        start = max(config.warmup_steps, last - max(1, round(config.decay_fraction * config.steps)))
+        if step <= start:
+            return 1.0
+        progress = min(1.0, (step - start) / max(1, last - start))
+        return 1.0 - (1.0 - config.min_lr_ratio) * progress
+    span = max(1, last - config.warmup_steps)
     progress = min(1.0, (step - config.warmup_steps) / span)
     cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
     return config.min_lr_ratio + (1.0 - config.min_lr_ratio) * cosine
@@ -501,8 +617,11 @@ def _replicas_identical(model: torch.nn.Module, dist_info: Distributed) -> bool:
 # ------------------------------------------------------------------------------------------------
 # The loop
 # ------------------------------------------------------------------------------------------------
-def _run_one(variant: str, model: torch.nn.Module, task: Task, config: TrainConfig, device: str,
-             predictor_formats: Sequence[str], progress: bool, dist_info: Distributed = Distributed()):
+def _run_steps(variant: str, model: torch.nn.Module, task: Task, config: TrainConfig, device: str,
+               predictor_formats: Sequence[str], progress: bool, dist_info: Distributed = Distributed(),
+               keep_masks: bool = False, position: Optional[int] = None):
+    """One variant's run, as a generator: yields its tracker after every step (masks included
+    with ``keep_masks``) and returns ``(record, predictor, model)``."""
     dtype = torch.float64 if (variant == "reference" and config.reference_dtype == "float64") else torch.float32
     model = model.to(device=device, dtype=dtype)
     net = model
@@ -512,7 +631,7 @@ def _run_one(variant: str, model: torch.nn.Module, task: Task, config: TrainConf
     tracked = _named_lowprec(model, config)
     predictor = observer = None
     if variant == "reference":
-        predictor = FreezePredictor(tracked, predictor_formats, rand_bits=config.rand_bits)
+        predictor = FreezePredictor(tracked, predictor_formats, rand_bits=config.rand_bits, keep_masks=keep_masks)
     else:
         # the same seed on every process: stochastic rounding draws the same bits everywhere,
         # so data-parallel replicas stay bit-identical
@@ -521,11 +640,11 @@ def _run_one(variant: str, model: torch.nn.Module, task: Task, config: TrainConf
                                     generator=gen, rand_bits=config.rand_bits,
                                     params=list(tracked.values()),
                                     compensation="kahan" if variant == "kahan" else None)
-        observer = FreezeObserver(tracked, config.format)
+        observer = FreezeObserver(tracked, config.format, keep_masks=keep_masks)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, config))
     record = RunRecord(variant=variant)
     start = datetime.now()
-    bar = progress_bar(range(config.steps), desc=f"{variant:>10}", disable=not progress)
+    bar = progress_bar(range(config.steps), desc=f"{variant:>10}", disable=not progress, position=position)
     for step in bar:
         model.train()
         batch = task.batch(step)
@@ -555,10 +674,49 @@ def _run_one(variant: str, model: torch.nn.Module, task: Task, config: TrainConf
             if observer is not None:
                 post["frozen"] = f"{observer.record().overall[-1]:.3f}"
             bar.set_postfix(post)
+        yield tracker
     record.seconds = (datetime.now() - start).total_seconds()
     if observer is not None:
         record.frozen = observer.record()
     return record, predictor, model
+
+
+def _finish(run):
+    """Run a generator of :func:`_run_steps` to its end and return its value."""
+    while True:
+        try:
+            next(run)
+        except StopIteration as stop:
+            return stop.value
+
+
+def _run_one(*args, **kwargs):
+    return _finish(_run_steps(*args, **kwargs))
+
+
+def _lockstep(reference, nearest: Dict[str, Any]):
+    """Step the reference run and the round-to-nearest run of each format in turn, comparing
+    their frozen masks at every step; returns the reference's value, each nearest run's value
+    and each format's agreement curves."""
+    agreement = {name: {"element_mismatch": [], "chance_mismatch": []} for name in nearest}
+    while True:
+        try:
+            predictor = next(reference)
+        except StopIteration as stop:
+            ref_value = stop.value
+            break
+        for name, run in nearest.items():
+            observer = next(run)
+            mismatch, chance = mask_mismatch(predictor.masks[name], observer.masks[name])
+            agreement[name]["element_mismatch"].append(mismatch)
+            agreement[name]["chance_mismatch"].append(chance)
+    return ref_value, {name: _finish(run) for name, run in nearest.items()}, agreement
+
+
+def _baselines(predictor: FreezePredictor, fmt: str, lrs: Sequence[float]) -> Dict[str, List[float]]:
+    """The baseline predictors of format ``fmt`` over the run's learning rates ``lrs``."""
+    return {"schedule": predictor.schedule_rule(fmt, [lr / lrs[0] for lr in lrs]),
+            "always": [1.0] * len(lrs), "never": [0.0] * len(lrs)}
 
 
 def _setup(config: TrainConfig, progress: bool):
@@ -590,19 +748,39 @@ def train_variants(experiment: str, task: Task, config: TrainConfig, progress: b
     dist_info, device, progress = _setup(config, progress)
     init = task.make_model(torch.Generator().manual_seed(config.seed))
     runs: Dict[str, RunRecord] = {}
-    predictions: Dict[str, FreezeRecord] = {}
     identical: Dict[str, bool] = {}
-    for variant in config.variants:
-        model = copy.deepcopy(init)
-        record, predictor, model = _run_one(variant, model, task, config, device, config.formats, progress, dist_info)
+    agreement: Dict[str, List[float]] = {}
+    fmt = get_format(config.format).name
+
+    def start(variant, **kwargs):
+        return _run_steps(variant, copy.deepcopy(init), task, config, device, config.formats, progress, dist_info,
+                          **kwargs)
+
+    def keep(variant, record, model):
         runs[variant] = record
-        if predictor is not None:
-            predictions = dict(predictor.records)
         if dist_info.enabled:
             identical[variant] = _replicas_identical(model, dist_info)
+
+    if "nearest" in config.variants:   # the reference and nearest runs in lockstep
+        (record, predictor, model), nearest, curves = _lockstep(
+            start("reference", keep_masks=True), {fmt: start("nearest", keep_masks=True, position=1)})
+        keep("reference", record, model)
+        keep("nearest", nearest[fmt][0], nearest[fmt][2])
+        agreement = curves[fmt]
+        del model, nearest
+    else:
+        record, predictor, model = _finish(start("reference"))
+        keep("reference", record, model)
         del model
-    return TrainResult(experiment=experiment, config=config, runs=runs, predictions=predictions,
-                       provenance=_provenance(device, dist_info, identical), description=task.description)
+    for variant in config.variants:
+        if variant not in runs:
+            record, _, model = _finish(start(variant))
+            keep(variant, record, model)
+            del model
+    runs = {v: runs[v] for v in config.variants}
+    return TrainResult(experiment=experiment, config=config, runs=runs, predictions=dict(predictor.records),
+                       provenance=_provenance(device, dist_info, identical), description=task.description,
+                       baselines=_baselines(predictor, fmt, runs["reference"].lr), agreement=agreement)
 
 
 Variants = Union[Sequence[str], Dict[str, Sequence[str]]]
@@ -638,25 +816,37 @@ def train_formats(experiment: str, task: Task, config: TrainConfig, formats: Seq
     init = task.make_model(torch.Generator().manual_seed(config.seed))
     ref_config = dataclasses.replace(config, format=names[0], predict_formats=tuple(names[1:]),
                                      variants=("reference",))
-    reference, predictor, model = _run_one("reference", copy.deepcopy(init), task, ref_config, device,
-                                           ref_config.formats, progress, dist_info)
+    configs = {name: dataclasses.replace(config, format=name, predict_formats=tuple(n for n in names if n != name),
+                                         variants=("reference", *per_format[name])) for name in names}
+    # the reference in lockstep with every format's nearest run (masks compared step by step)
+    lockstep = [name for name in names if "nearest" in per_format[name]]
+    reference = _run_steps("reference", copy.deepcopy(init), task, ref_config, device, ref_config.formats, progress,
+                           dist_info, keep_masks=bool(lockstep))
+    nearest = {name: _run_steps("nearest", copy.deepcopy(init), task, configs[name], device, configs[name].formats,
+                                progress, dist_info, keep_masks=True, position=i + 1)
+               for i, name in enumerate(lockstep)}
+    (ref_record, predictor, model), near_values, agreement = _lockstep(reference, nearest)
     identical = {"reference": _replicas_identical(model, dist_info)} if dist_info.enabled else {}
     del model
     results: Dict[str, TrainResult] = {}
     for name in names:
-        cfg = dataclasses.replace(config, format=name, predict_formats=tuple(n for n in names if n != name),
-                                  variants=("reference", *per_format[name]))
-        runs = {"reference": reference}
+        cfg = configs[name]
+        runs = {"reference": ref_record}
         ident = dict(identical)
         for variant in per_format[name]:
-            record, _, model = _run_one(variant, copy.deepcopy(init), task, cfg, device, cfg.formats, progress,
-                                        dist_info)
+            if variant == "nearest":
+                record, _, model = near_values.pop(name)
+            else:
+                record, _, model = _run_one(variant, copy.deepcopy(init), task, cfg, device, cfg.formats, progress,
+                                            dist_info)
             runs[variant] = record
             if dist_info.enabled:
                 ident[variant] = _replicas_identical(model, dist_info)
             del model
         results[name] = TrainResult(experiment=experiment, config=cfg, runs=runs, predictions=dict(predictor.records),
-                                    provenance=_provenance(device, dist_info, ident), description=task.description)
+                                    provenance=_provenance(device, dist_info, ident), description=task.description,
+                                    baselines=_baselines(predictor, name, ref_record.lr),
+                                    agreement=agreement.get(name, {}))
     return results
 
 

@@ -148,8 +148,10 @@ def sweep(name: str, man_bits: Sequence[int] = (7,), lrs: Sequence[Optional[floa
     within max(2 steps, 2 % of the run) (``agree``, see
     :func:`~lowprec_demo.prediction.steps_agree`: True as well when neither freezes within the
     run), whether either froze (``froze``; to count agreement only where something froze, count
-    the rows where both hold), and the final losses. Only the reference and nearest runs are
-    trained unless ``variants`` is given.
+    the rows where both hold), the schedule rule's freeze step (``schedule_rule``), whether the
+    run is one where no baseline agrees with the observed freeze (``decisive``, see
+    :meth:`~lowprec_demo.training.TrainResult.is_decisive`: the rows an honest tally counts), and
+    the final losses. Only the reference and nearest runs are trained unless ``variants`` is given.
 
     Example:
         >>> rows = sweep("quadratic", man_bits=[4, 6], steps=100)
@@ -163,9 +165,12 @@ def sweep(name: str, man_bits: Sequence[int] = (7,), lrs: Sequence[Optional[floa
     for m, lr, s in progress_bar(combos, desc=f"sweep {name}", disable=not progress):
         result = run_experiment(name, fmt=f"e{exp_bits}m{m}", lr=lr, seed=s, progress=False, **overrides)
         pred, obs = result.predicted_freeze_step(), result.observed_freeze_step()
+        has_nearest = "nearest" in result.runs
         row = {"man_bits": m, "lr": result.config.lr, "seed": s, "steps": result.config.steps,
                "predicted": pred, "observed": obs, "agree": steps_agree(pred, obs, result.config.steps),
                "froze": pred is not None or obs is not None,
+               "schedule_rule": result.predictor_errors()["schedule"]["freeze_step"] if has_nearest else None,
+               "decisive": has_nearest and result.is_decisive(),
                **{f"final_loss_{v}": run.loss[-1] for v, run in result.runs.items()}}
         if keep_results:
             row["result"] = result

@@ -1,0 +1,178 @@
+"""Tests of the evidence a run carries beside its prediction: the baselines that do not use the
+reference trajectory, the element-level agreement of the predicted and observed frozen masks,
+the lockstep that makes it possible, and the schedules that put a wall where fp32 still learns."""
+
+import copy
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import lowprec_demo as lp
+from lowprec_demo import training
+from lowprec_demo.experiments import get_experiment, make_config
+from lowprec_demo.prediction import FreezeObserver, FreezePredictor, mask_mismatch
+from lowprec_demo.rounding import quantize
+
+
+def _sequential(name, cfg):
+    """Every variant of ``cfg`` run on its own, one after the other (no lockstep)."""
+    task = get_experiment(name).build(cfg)
+    init = task.make_model(torch.Generator().manual_seed(cfg.seed))
+    return {v: training._run_one(v, copy.deepcopy(init), task, cfg, "cpu", cfg.formats, False)
+            for v in cfg.variants}, task
+
+
+@pytest.mark.parametrize("name,steps", [("quadratic", 150), ("mlp", 60), ("regression", 60)])
+def test_lockstep_gives_the_runs_one_after_the_other_bit_for_bit(name, steps):
+    cfg = make_config(name, steps=steps, device="cpu")
+    seq, task = _sequential(name, cfg)
+    result = training.train_variants(name, task, cfg, progress=False)
+    for v in cfg.variants:
+        assert result.runs[v].loss == seq[v][0].loss, v
+        if v != "reference":
+            assert result.runs[v].frozen.overall == seq[v][0].frozen.overall, v
+    assert result.prediction.overall == seq["reference"][1].record(cfg.format).overall
+
+
+def test_masks_are_the_counted_fractions_element_by_element():
+    """The kept masks give exactly the fractions the trackers count: chance from the records'
+    fractions equals chance from the masks, at every step."""
+    result = lp.experiments.run_experiment("quadratic", steps=200, progress=False, device="cpu")
+    p, q = result.prediction.overall, result.runs["nearest"].frozen.overall
+    chance = [a * (1 - b) + b * (1 - a) for a, b in zip(p, q)]
+    assert chance == pytest.approx(result.agreement["chance_mismatch"], abs=1e-12)
+    assert len(result.agreement["element_mismatch"]) == result.config.steps
+    # and the masks disagree far less than chance (the prediction is element by element)
+    a = result.element_agreement()
+    assert a["element_mismatch"] < 0.3 * a["chance_mismatch"], a
+
+
+def test_tracker_masks_by_hand():
+    w = torch.nn.Parameter(torch.tensor([1.0, 1.0, 1.0, 2.0]))
+    pred = FreezePredictor({"w": w}, ["bf16"], keep_masks=True)
+    pred.before_step()
+    w.data -= torch.tensor([1e-3, 3e-3, 2.0**-9, 1e-2])   # gaps below 1: 2^-8; below 2: 2^-7
+    pred.after_step()
+    # 1e-3 < 2^-9 frozen; 3e-3 > 2^-9 moves; 2^-9 is the tie and 1.0 is even: frozen; 1e-2 > 2^-8
+    assert pred.masks["bf16"]["w"].tolist() == [True, False, True, False]
+    v = torch.nn.Parameter(quantize(torch.tensor([1.0, 1.0, 3.0]), "bf16"))
+    obs = FreezeObserver({"v": v}, "bf16", keep_masks=True)
+    obs.before_step()
+    v.data[1] = 1.0078125
+    obs.after_step()
+    assert obs.masks["bf16"]["v"].tolist() == [True, False, True]
+    assert mask_mismatch({"v": torch.tensor([True, False, True])}, obs.masks["bf16"]) == (0.0, pytest.approx(4 / 9))
+
+
+def test_mask_mismatch_counts_over_every_tensor():
+    a = {"x": torch.tensor([True, False]), "y": torch.tensor([True, True, True, False])}
+    b = {"x": torch.tensor([False, False]), "y": torch.tensor([True, True, True, True])}
+    mismatch, chance = mask_mismatch(a, b)
+    p, q = 4 / 6, 4 / 6
+    assert mismatch == pytest.approx(2 / 6)
+    assert chance == pytest.approx(p * (1 - q) + q * (1 - p))
+    assert all(math.isnan(x) for x in mask_mismatch({"x": a["x"]}, {"z": b["x"]}))
+
+
+def test_schedule_rule_scales_the_first_update_by_the_schedule():
+    """SGD on w = 1: the first update is lr * g; the rule freezes an element once lr_t * |g|
+    falls below half the gap of its initial stored value, whatever the trajectory does."""
+    w = torch.nn.Parameter(torch.ones(4))
+    p = FreezePredictor({"w": w}, ["bf16"])
+    p.before_step()
+    w.data -= torch.tensor([0.5, 1.0, 2.0, 4.0]) * 2.0**-8   # ratios to the gap 2^-8: 0.5, 1, 2, 4
+    p.after_step()
+    # ratio * s < 1/2: s = 1 -> none (0.5 is not below); s = 0.4 -> 0.5 and 1; s = 0.1 -> all
+    assert p.schedule_rule("bf16", [1.0, 0.4, 0.1, 0.0]) == [0.0, 0.5, 1.0, 1.0]
+    with pytest.raises(KeyError, match="bf16"):
+        p.schedule_rule("fp16", [1.0])
+
+
+def test_baselines_and_errors_of_a_run():
+    result = lp.experiments.run_experiment("quadratic", steps=300, progress=False, device="cpu")
+    T = result.config.steps
+    assert set(result.baselines) == {"schedule", "always", "never"}
+    assert all(len(v) == T for v in result.baselines.values())
+    assert result.baselines["always"] == [1.0] * T and result.baselines["never"] == [0.0] * T
+    errors = result.predictor_errors()
+    assert set(errors) == {"fp32", "schedule", "always", "never"}
+    obs = result.runs["nearest"].frozen.overall
+    assert errors["never"]["mean_abs_error"] == pytest.approx(sum(obs) / T)
+    assert errors["always"]["mean_abs_error"] == pytest.approx(sum(1 - x for x in obs) / T)
+    assert errors["always"]["freeze_step"] == 0 and errors["never"]["freeze_step"] is None
+    # constant-rate SGD on a quadratic: the gradients shrink as the weights converge, which the
+    # schedule rule cannot see; it never freezes, the run does, where the fp32 run says
+    assert errors["schedule"]["freeze_step"] is None and not errors["schedule"]["agrees"]
+    assert errors["fp32"]["agrees"]
+    assert errors["fp32"]["mean_abs_error"] < 0.1 * min(e["mean_abs_error"] for k, e in errors.items() if k != "fp32")
+
+
+def test_result_round_trips_baselines_and_agreement(tmp_path):
+    result = lp.experiments.run_experiment("quadratic", steps=40, progress=False, device="cpu")
+    loaded = lp.TrainResult.load(result.save(tmp_path / "r.json"))
+    assert loaded.baselines == result.baselines
+    assert loaded.agreement == result.agreement
+    d = json.loads((tmp_path / "r.json").read_text())
+    assert list(d["prediction"]["baselines"]) == ["schedule", "always", "never"]
+    assert len(d["prediction"]["baselines"]["schedule"]) == len(d["prediction"]["frozen_predicted"]) == 40
+    assert set(d["agreement"]) == {"element_mismatch", "chance_mismatch"}
+
+
+def test_train_formats_compares_every_formats_masks():
+    results = lp.run_formats("quadratic", ["e8m3", "bf16"], variants={"e8m3": ("nearest", "stochastic")},
+                             steps=80, progress=False, device="cpu")
+    for name, r in results.items():
+        assert r.format == name
+        assert len(r.agreement["element_mismatch"]) == 80
+        single = lp.experiments.run_experiment("quadratic", fmt=name, steps=80, progress=False, device="cpu",
+                                               variants=("reference", "nearest"))
+        assert r.runs["nearest"].loss == single.runs["nearest"].loss
+        assert r.agreement == single.agreement
+        assert r.baselines == single.baselines
+    assert "stochastic" in results["e8m3"].runs and "stochastic" not in results["bf16"].runs
+
+
+def test_no_nearest_run_no_agreement():
+    r = lp.experiments.run_experiment("quadratic", steps=20, progress=False, device="cpu",
+                                      variants=("reference", "stochastic"))
+    assert r.agreement == {} and set(r.baselines) == {"schedule", "always", "never"}
+    with pytest.raises(ValueError, match="nearest"):
+        r.element_agreement()
+
+
+@pytest.mark.parametrize("schedule,expected", [
+    # stable to step 79, then linear from 1 at step 79 to min_lr_ratio at the last step, 99
+    ("wsd", [1.0] * 80 + [1 - 0.9 * k / 20 for k in range(1, 21)]),
+    # the rate times 0.1 from step 50 and again from step 75
+    ("step", [1.0] * 50 + [0.1] * 25 + [0.1 ** 2] * 25),
+])
+def test_new_schedules(schedule, expected):
+    cfg = lp.TrainConfig(steps=100, schedule=schedule, min_lr_ratio=0.1, decay_fraction=0.2)
+    assert [lp.lr_factor(s, cfg) for s in range(100)] == pytest.approx(expected)
+
+
+def test_schedule_settings_are_checked():
+    for bad in (dict(decay_fraction=0.0), dict(step_gamma=1.5), dict(step_milestones=(0.5, 1.0)),
+                dict(min_lr_ratio=-0.1)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            lp.TrainConfig(**bad)
+    with pytest.raises(ValueError, match="constant, cosine, wsd, step"):
+        lp.TrainConfig(schedule="linear")
+
+
+def test_command_line_writes_the_evidence(tmp_path):
+    out = tmp_path / "q.json"
+    proc = subprocess.run([sys.executable, "-m", "lowprec_demo", "run", "quadratic", "--steps", "60",
+                           "--set", "schedule=step", "--set", "step_milestones=0.5", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "element mismatch" in proc.stdout and "predictor schedule" in proc.stdout
+    d = json.loads(out.read_text())
+    assert d["config"]["schedule"] == "step" and d["config"]["step_milestones"] == [0.5]
+    assert len(d["agreement"]["element_mismatch"]) == 60
+    lrs = d["runs"]["reference"]["lr"]
+    assert lrs[29] == pytest.approx(d["config"]["lr"]) and lrs[30] == pytest.approx(0.1 * d["config"]["lr"])
