@@ -171,6 +171,18 @@ def freeze_order(record: FreezeRecord, threshold: float) -> List[tuple]:
     return sorted(steps.items(), key=lambda kv: (kv[1] is None, kv[1] if kv[1] is not None else 0, kv[0]))
 
 
+def _frozen_mask(stored: torch.Tensor, old: torch.Tensor, new: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
+    """Element by element, whether round to nearest of the exact sum ``q(w) + d`` gives back
+    ``q(w)`` (``d = new - old``): :func:`~lowprec_demo.rounding.would_freeze`, computed as
+    ``quantize(q(w) + d) == q(w)`` with the sum in float64. For float32 inputs that sum is exact
+    wherever it can decide the rounding (near a tie, |d| is half a gap, and the two fit in 53
+    bits), and float64 is rounded once; the tests check it bit for bit against
+    ``would_freeze``. Wider inputs take ``would_freeze`` itself."""
+    if stored.dtype != torch.float32:
+        return would_freeze(stored, new - old, fmt)
+    return quantize(stored.double() + (new - old).double(), fmt) == stored.double()
+
+
 def mask_mismatch(predicted: Mapping[str, torch.Tensor], observed: Mapping[str, torch.Tensor]) -> tuple:
     """Element-level agreement of two frozen masks over the same tensors: the fraction of
     elements whose predicted and observed states differ, and the fraction that two independent
@@ -485,11 +497,10 @@ class FreezePredictor(StepTracker):
             for fmt in self.formats:
                 stored = {name: quantize(old, fmt) for name, old, _ in pairs}
                 if self.keep_masks:
-                    masks[fmt.name] = {name: would_freeze(stored[name], new - old, fmt) for name, old, new in pairs}
-                if first:   # the first update in gaps of the initial stored value, sorted
-                    ratios = [update_ulp_ratio(stored[name], new - old, fmt).reshape(-1) for name, old, new in pairs]
-                    flat = torch.cat(ratios).double().cpu() if ratios else torch.zeros(0, dtype=torch.float64)
-                    self._first_ratios[fmt.name] = torch.sort(flat).values
+                    masks[fmt.name] = {name: _frozen_mask(stored[name], old, new, fmt) for name, old, new in pairs}
+                if first:   # the first update in gaps of the initial stored value
+                    ratios = [update_ulp_ratio(stored[name], new - old, fmt).reshape(-1).float() for name, old, new in pairs]
+                    self._first_ratios[fmt.name] = torch.cat(ratios) if ratios else torch.zeros(0)
             self.masks = masks
         self._before = {}
 
@@ -512,8 +523,13 @@ class FreezePredictor(StepTracker):
         n = ratios.numel()
         if n == 0:
             return [math.nan] * len(lr_scale)
-        limits = torch.tensor([0.5 / s if s > 0 else math.inf for s in lr_scale], dtype=torch.float64)
-        return (torch.searchsorted(ratios, limits, side="left").double() / n).tolist()
+        # frozen at step t when ratio < 0.5 / scale_t: one pass over the elements, counting them
+        # into the intervals between the distinct limits (sorted), then cumulative counts
+        limits = sorted({0.5 / s if s > 0 else math.inf for s in lr_scale})
+        edges = torch.tensor(limits, dtype=torch.float64, device=ratios.device)
+        below = torch.bincount(torch.bucketize(ratios.double(), edges, right=True), minlength=len(limits) + 1)
+        count = dict(zip(limits, torch.cumsum(below, 0)[:len(limits)].tolist()))
+        return [count[0.5 / s if s > 0 else math.inf] / n for s in lr_scale]
 
     def _add(self, rec: FreezeRecord, per_tensor: List[tuple], moved_total: float, fewbit_total: float,
              hist: List[int]) -> None:

@@ -68,6 +68,31 @@ def test_tracker_masks_by_hand():
     assert mask_mismatch({"v": torch.tensor([True, False, True])}, obs.masks["bf16"]) == (0.0, pytest.approx(4 / 9))
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "fp16", "e4m3", "e5m2", "e8m4", "e3m2", "e2m1", "tf32"])
+def test_fast_mask_is_would_freeze_bit_for_bit(fmt):
+    """The predictor's mask (a float64 sum rounded once) against the exact rule, on random
+    weights and updates of every size, the exact ties on both sides, zeros, the power-of-two
+    edges and the largest values."""
+    from lowprec_demo.prediction import _frozen_mask
+    from lowprec_demo.rounding import ulp
+    f = lp.get_format(fmt)
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(200_000, generator=g) * torch.exp2(torch.randint(-12, 4, (200_000,), generator=g).float())
+    w = torch.cat([w, torch.tensor([0.0, -0.0, 1.0, -1.0, 2.0, 0.5, f.max, -f.max, f.smallest_normal, f.smallest_subnormal])])
+    old = w.float()
+    stored = quantize(old, fmt)
+    gap = ulp(stored, fmt)
+    scale = torch.exp2(torch.randint(-30, 3, old.shape, generator=g).float())
+    sign = torch.where(torch.rand(old.shape, generator=g) < 0.5, -1.0, 1.0)
+    for d in (sign * scale * gap, sign * gap / 2, -sign * gap / 2, sign * gap / 4, sign * scale * stored.abs()):
+        d = d.float()
+        new = old + d
+        expected = lp.would_freeze(stored, new - old, fmt)
+        got = _frozen_mask(stored, old, new, fmt)
+        bad = (got != expected).nonzero().reshape(-1)[:5]
+        assert bad.numel() == 0, [(old[i].item(), (new - old)[i].item(), got[i].item()) for i in bad]
+
+
 def test_mask_mismatch_counts_over_every_tensor():
     a = {"x": torch.tensor([True, False]), "y": torch.tensor([True, True, True, False])}
     b = {"x": torch.tensor([False, False]), "y": torch.tensor([True, True, True, True])}
