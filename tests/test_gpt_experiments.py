@@ -39,6 +39,10 @@ def test_registered():
     assert full.options["model"] == "shakespeare-char"
     g = lp.make_config("gpt2", "full")
     assert (g.format, g.lowprec_params, g.options["model"], g.options["context"]) == ("e4m3", "matrices", "gpt2", 1024)
+    # the quick GPT-2 run keeps the peak learning rate at every step (chapter 7, section 7.3)
+    q = lp.make_config("gpt2", "quick")
+    assert q.schedule == "constant" and q.warmup_steps == 0 and g.schedule == "cosine"
+    assert all(lp.lr_factor(s, q) == 1.0 for s in range(q.steps))
 
 
 def test_nanogpt_tiny_run_predicts_and_observes():

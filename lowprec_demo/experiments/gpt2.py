@@ -94,8 +94,10 @@ def _defaults(scale: str) -> dict:
     common = {"format": "e4m3", "lr": 6e-4, "optimizer": "adamw", "betas": (0.9, 0.95), "weight_decay": 0.1,
               "schedule": "cosine", "min_lr_ratio": 0.1, "threshold": 0.99, "lowprec_params": "matrices"}
     if scale == "quick":
-        # the real model for a handful of steps at a short context: enough for the lock, on a CPU
-        return {**common, "steps": 4, "warmup_steps": 0,
+        # the real model for a handful of steps at a short context: enough for the lock, on a CPU;
+        # every step at the peak learning rate (a cosine over 4 steps would leave only the first
+        # there), so that the lock is tested at the largest steps of the recipe
+        return {**common, "steps": 4, "warmup_steps": 0, "schedule": "constant",
                 "options": {"model": "gpt2", "context": 64, "batch_size": 4, "eval_batches": 1}}
     return {**common, "steps": 300, "warmup_steps": 20, "eval_every": 50,
             "options": {"model": "gpt2", "context": 1024, "batch_size": 16, "eval_batches": 4}}
