@@ -24,10 +24,10 @@ from .optimizer import LowPrecisionOptimizer, select_params
 from .prediction import FreezeObserver, FreezePredictor, FreezeRecord, freeze_order, freeze_step, mask_mismatch, steps_agree
 from .rounding import move_probability, quantize, ulp, update_ulp_ratio, would_freeze
 from .runtime import by_scale, pick_device, progress_bar, scale, seed_everything
-from .training import (Task, TrainConfig, TrainResult, evidence_table, lr_factor, run_formats, train_formats,
-                       train_variants)
-from .results import load_result, stored_results
-from .experiments import experiment_names, make_config, run_experiment, sweep
+from .config import TrainConfig, lr_factor
+from .results import TrainResult, evidence_table, load_result, stored_results
+from .training import Task, train_formats, train_variants
+from .experiments import experiment_names, make_config, run_experiment, run_formats, sweep
 
 __version__ = "0.1.0"
 

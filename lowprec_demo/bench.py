@@ -39,12 +39,9 @@ import contextlib
 import json
 import math
 import os
-import platform
-import re
 import statistics
 import sys
 import time
-from datetime import datetime, timezone
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -55,7 +52,7 @@ from .models import GPT, gpt_config
 from .optimizer import LowPrecisionOptimizer
 from .prediction import FreezeObserver, FreezePredictor
 from .rounding import quantize
-from .training import atomic_write_json
+from .results import atomic_write_json, provenance
 
 __all__ = ["run", "main", "QUANTIZE_FORMATS", "MODELS"]
 
@@ -164,23 +161,14 @@ def _peak_extra_bytes(fn: Callable[[], object], device: str) -> Optional[int]:
 
 
 def _machine(device: str) -> dict:
-    if device.startswith("cuda"):
-        name = torch.cuda.get_device_name()
-    else:
-        name = platform.processor() or platform.machine()
-        try:
-            with open("/proc/cpuinfo") as f:
-                found = re.search(r"model name\s*:\s*(.+)", f.read())
-            name = found.group(1).strip() if found else name
-        except OSError:
-            pass
+    """The machine a benchmark ran on: :func:`lowprec_demo.results.provenance` (versions, device
+    and CPU model, commit, date) with the thread count and the load average at the start."""
+    p = provenance(device)
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
-    from . import __version__
-    from .training import _git_commit
-    return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "device": device,
-            "package_version": __version__, "git_commit": _git_commit(),
-            "device_name": name, "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform(),
+    return {"date": p["date"], "device": device, "package_version": p["package_version"],
+            "git_commit": p["git_commit"], "device_name": p["device_name"], "cpu_count": os.cpu_count(),
+            "threads": torch.get_num_threads(), "torch": p["torch_version"], "python": p["python_version"],
+            "platform": p["hostname_platform"],
             "load_average_start": None if load is None else [round(v, 2) for v in load]}
 
 
@@ -352,7 +340,7 @@ def bench_training(model_name: str, device: str, repeats: int, variants=VARIANTS
 
     @torch.no_grad()
     def store(opt, rounding):
-        opt._store(opt.lowprec_params, opt.fmt, rounding)
+        opt.round_params(rounding)
 
     @torch.no_grad()
     def across_update(tracker=None):
@@ -394,13 +382,8 @@ def bench_training(model_name: str, device: str, repeats: int, variants=VARIANTS
 
 def _held_bytes(opt, tracker) -> int:
     """Memory a variant keeps between steps beyond the model and its optimizer: the tracker's
-    buffers (snapshots, codes, tags) and the packs of LowPrecisionOptimizer."""
-    total = 0
-    for plan in getattr(opt, "_pack_cache", {}).values():
-        total += sum(flat.numel() * flat.element_size() for _, flat, _ in plan if flat is not None)
-    for pack in getattr(tracker, "_packs", []):
-        total += pack.held_bytes()
-    return total
+    buffers and LowPrecisionOptimizer's (their ``held_bytes()``)."""
+    return sum(x.held_bytes() for x in (opt, tracker) if x is not None and hasattr(x, "held_bytes"))
 
 
 # ------------------------------------------------------------------------------------------------

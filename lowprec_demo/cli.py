@@ -99,7 +99,7 @@ _READERS = {bool: (_as_bool, "true or false"), int: (_as_int, "an integer"),
 
 
 def _field_types() -> dict:
-    from .training import TrainConfig
+    from .config import TrainConfig
     hints = typing.get_type_hints(TrainConfig)
     types = {}
     for name, hint in hints.items():
@@ -259,7 +259,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     """Entry point; returns the exit status. Under ``torchrun`` every process trains its share
     and only rank 0 prints and writes the JSON."""
     from .experiments import experiment_names, get_experiment, make_config, run_experiment
-    from .training import finish_distributed, init_distributed
+    from .distributed import finish_distributed, init_distributed
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "list":

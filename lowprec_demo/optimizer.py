@@ -210,9 +210,20 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
             _fused.nearest_(t, fmt, policy, eager=lambda: t.copy_(quantize(t, fmt, overflow=policy)))
 
     @torch.no_grad()
-    def round_params(self) -> None:
-        """Round the selected parameters onto the grid (nearest), in place."""
-        self._store(self.lowprec_params, self.fmt, "nearest")
+    def round_params(self, rounding: str = "nearest") -> None:
+        """Round the selected parameters onto the grid in place: to nearest, or with
+        ``rounding="stochastic"`` drawing from the optimizer's generator (as a step does)."""
+        if rounding not in ROUNDING_MODES:
+            raise ValueError(f"rounding must be one of {', '.join(ROUNDING_MODES)}; got {rounding!r}")
+        self._store(self.lowprec_params, self.fmt, rounding)
+
+    def held_bytes(self) -> int:
+        """The memory this wrapper keeps from step to step beyond the parameters and the inner
+        optimizer's state: the buffers of its packs of small tensors, and the Kahan
+        compensation buffers."""
+        packs = sum(flat.numel() * flat.element_size() for plan in self.__dict__.get("_pack_cache", {}).values()
+                    for _, flat, _ in plan if flat is not None)
+        return packs + sum(b.numel() * b.element_size() for b in self._compensation_buffers.values())
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None):

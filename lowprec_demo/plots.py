@@ -19,14 +19,13 @@ Example:
 
 from __future__ import annotations
 
-import math
 from typing import Iterable, List, Optional, Sequence
 
 import matplotlib.pyplot as plt
 import numpy as np
 
 from .formats import get_format
-from .prediction import RATIO_BINS, freeze_step
+from .prediction import RATIO_BINS, freeze_order
 
 __all__ = ["COLORS", "plot_losses", "plot_frozen", "plot_frozen_by_tensor", "plot_freeze_sweep", "plot_grid",
            "plot_ulp", "plot_ratio_histogram", "provenance_label", "grid_values", "plot_baselines",
@@ -205,8 +204,7 @@ def plot_frozen_by_tensor(result, ax=None, names: Optional[List[str]] = None, ma
     threshold = threshold or result.config.threshold
     pred = result.prediction
     if names is None:
-        steps = pred.tensor_freeze_steps(threshold)
-        names = sorted(steps, key=lambda n: (steps[n] is None, steps[n] or 0, n))
+        names = [name for name, _ in freeze_order(pred, threshold)]
         if len(names) > max_tensors:  # first and last to freeze, and some in between
             idx = np.unique(np.linspace(0, len(names) - 1, max_tensors).round().astype(int))
             names = [names[i] for i in idx]

@@ -321,6 +321,13 @@ class StepTracker:
     def _current(self) -> Dict[str, torch.Tensor]:
         return {k: v for k, v in named_tensors(self._source).items() if torch.is_tensor(v)}
 
+    def held_bytes(self) -> int:
+        """The memory this tracker keeps from step to step: its snapshot buffers (codes and tags
+        included), the kept masks, and a predictor's first-step ratios."""
+        tensors = [m for masks in self.masks.values() for m in masks.values()]
+        tensors += list(getattr(self, "_first_ratios", {}).values())
+        return sum(pack.held_bytes() for pack in self._packs) + sum(t.numel() * t.element_size() for t in tensors)
+
     @staticmethod
     def _layout_of(tensors: Dict[str, torch.Tensor]) -> tuple:
         return tuple((k, v.shape, v.dtype, v.device) for k, v in tensors.items())

@@ -9,7 +9,8 @@ import torch
 
 import lowprec_demo as lp
 from lowprec_demo.cli import main
-from lowprec_demo.training import TrainResult, lr_factor
+from lowprec_demo.config import lr_factor
+from lowprec_demo.results import TrainResult
 
 
 def test_quadratic_freezes_at_predicted_step_for_three_mantissa_lengths():

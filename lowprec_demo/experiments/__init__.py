@@ -18,10 +18,13 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
 from ..runtime import progress_bar
 from ..runtime import scale as current_scale
-from ..training import Task, TrainConfig, TrainResult, train_variants
+from ..config import TrainConfig
+from ..formats import get_format
+from ..results import TrainResult
+from ..training import Task, Variants, train_formats, train_variants
 
 __all__ = ["Experiment", "register", "experiment_names", "get_experiment", "config_fields", "check_settings",
-           "make_config", "run_experiment", "sweep"]
+           "make_config", "run_experiment", "run_formats", "sweep"]
 
 
 @dataclass
@@ -176,6 +179,24 @@ def sweep(name: str, man_bits: Sequence[int] = (7,), lrs: Sequence[Optional[floa
             row["result"] = result
         rows.append(row)
     return rows
+
+
+def run_formats(name: str, formats: Sequence[str], variants: Variants = ("nearest",), seed: int = 0,
+                device: str = "auto", scale: Optional[str] = None, progress: bool = True,
+                **overrides) -> Dict[str, TrainResult]:
+    """:func:`train_formats` for a named experiment: one reference run predicting every format,
+    then ``variants`` in each format. Other arguments as for
+    :func:`lowprec_demo.experiments.run_experiment`.
+
+    Example:
+        >>> results = run_formats("quadratic", ["e8m4", "e8m5", "bf16"], steps=100, progress=False)
+        >>> [r.predicted_freeze_step() is not None for r in results.values()]
+        [True, True, True]
+    """
+    config = make_config(name, scale, format=get_format(formats[0]).name if formats else None, seed=seed,
+                         device=device, **overrides)
+    task = get_experiment(name).build(config)
+    return train_formats(name, task, config, formats, variants=variants, progress=progress)
 
 
 # Registration: one module per experiment.

@@ -33,7 +33,8 @@ import torch
 from ..data import gpt2_tokens, load_shakespeare
 from ..models import gpt_config
 from ..prediction import FreezeRecord
-from ..training import Task, TrainConfig
+from ..config import TrainConfig
+from ..training import Task
 from . import Experiment, register
 from .nanogpt import gpt_task
 

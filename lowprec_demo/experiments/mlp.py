@@ -24,7 +24,8 @@ from typing import Dict, List, Optional
 import torch
 
 from ..models import MLP
-from ..training import Task, TrainConfig
+from ..config import TrainConfig
+from ..training import Task
 from . import Experiment, register
 
 __all__ = ["teacher_data", "build", "adam_noise_estimate"]
@@ -81,7 +82,7 @@ def adam_noise_estimate(config: TrainConfig, weights: Optional[Dict[str, torch.T
     """
     from ..experiments import get_experiment
     from ..rounding import quantize, ulp
-    from ..training import lr_factor
+    from ..config import lr_factor
     if config.optimizer not in ("adam", "adamw"):
         raise ValueError(f"the estimate is for Adam and AdamW, not {config.optimizer}")
     fmt = fmt or config.format

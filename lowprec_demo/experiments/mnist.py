@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from ..models import LeNet5
-from ..training import Task, TrainConfig
+from ..config import TrainConfig
+from ..training import Task
 from . import Experiment, register
 
 __all__ = ["dataset", "build"]

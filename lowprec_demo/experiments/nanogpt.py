@@ -25,7 +25,8 @@ import torch
 from ..data import CharTokenizer, TokenBatches, load_shakespeare
 from ..models import GPT, gpt_config
 from ..runtime import pick_device
-from ..training import Task, TrainConfig
+from ..config import TrainConfig
+from ..training import Task
 from . import Experiment, register
 
 __all__ = ["char_tokens", "gpt_task", "decay_groups", "shard_rows"]

@@ -16,7 +16,8 @@ import math
 
 import torch
 
-from ..training import Task, TrainConfig
+from ..config import TrainConfig
+from ..training import Task
 from . import Experiment, register
 
 

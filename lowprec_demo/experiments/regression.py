@@ -35,7 +35,8 @@ import torch
 from ..formats import get_format
 from ..prediction import freeze_step
 from ..rounding import quantize, would_freeze
-from ..training import Task, TrainConfig
+from ..config import TrainConfig
+from ..training import Task
 from . import Experiment, register
 
 __all__ = ["RandomFeatures", "RegressionProblem", "problem", "closed_form", "steps_per_bit"]

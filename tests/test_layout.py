@@ -1,0 +1,130 @@
+"""The package's layout: one job per module, imports that run one way, and the public methods
+the benchmark measures through (instead of private attributes)."""
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+
+import lowprec_demo as lp
+from lowprec_demo.prediction import FreezeObserver, FreezePredictor
+from lowprec_demo.results import provenance
+
+
+PACKAGE = Path(lp.__file__).resolve().parent
+
+
+def _imports(module: str) -> set:
+    """The package modules that ``module`` imports anywhere in its source (module level and
+    inside functions), as dotted names relative to the package."""
+    path = PACKAGE / (module.replace(".", "/") + ".py")
+    base = module.split(".")[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            parent = base[:len(base) - (node.level - 1)]
+            target = ".".join(parent + ([node.module] if node.module else []))
+            found |= {f"{target}.{a.name}".strip(".") for a in node.names} if not node.module else {target}
+    return found
+
+
+def test_the_training_loop_does_not_reach_up_to_the_experiments():
+    assert not any(m.startswith("experiments") for m in _imports("training"))
+    assert {"config", "results", "distributed"} <= _imports("training")
+
+
+def test_config_and_results_do_not_need_the_loop():
+    assert "training" not in _imports("config") and "results" not in _imports("config")
+    assert "training" not in _imports("results")
+    assert "training" not in _imports("distributed") and "results" not in _imports("distributed")
+
+
+def test_no_package_module_imports_from_itself_in_a_cycle():
+    """Apart from the experiments registry (the package and its one-per-experiment modules),
+    the package's imports form no cycle."""
+    modules = [p.relative_to(PACKAGE).with_suffix("").as_posix().replace("/", ".") for p in PACKAGE.rglob("*.py")]
+    modules = [m[:-len(".__init__")] if m.endswith(".__init__") else m for m in modules]
+    modules = [m for m in modules if m != "__init__" and not m.startswith("experiments")]
+    graph = {m: {d for d in _imports(m) if d in modules and d != m} for m in modules}
+    state = {}
+
+    def visit(m, path):
+        state[m] = "open"
+        for d in graph[m]:
+            assert state.get(d) != "open", f"import cycle: {' -> '.join(path + [d])}"
+            if d not in state:
+                visit(d, path + [d])
+        state[m] = "done"
+
+    for m in modules:
+        if m not in state:
+            visit(m, [m])
+
+
+def test_public_names_where_the_package_exports_them():
+    assert lp.run_formats.__module__ == "lowprec_demo.experiments"
+    assert lp.TrainResult.__module__ == "lowprec_demo.results"
+    assert lp.TrainConfig.__module__ == lp.lr_factor.__module__ == "lowprec_demo.config"
+    assert lp.train_variants.__module__ == "lowprec_demo.training"
+
+
+def test_round_params_nearest_and_stochastic():
+    w = torch.nn.Parameter(torch.full((10_000,), 1.0 + 2.0**-9))     # a quarter of a gap above 1 in bf16
+    opt = lp.LowPrecisionOptimizer(torch.optim.SGD([w], lr=0.1), "bf16", generator=3, round_initial=False)
+    opt.round_params("stochastic")
+    moved_up = (w.data > 1.0).float().mean().item()
+    assert set(w.data.unique().tolist()) <= {1.0, 1.0 + 2.0**-7}
+    assert 0.2 < moved_up < 0.3          # SR goes up with probability 1/4
+    w.data.fill_(1.0 + 2.0**-9)
+    opt.round_params()                   # nearest by default
+    assert (w.data == 1.0).all()
+    with pytest.raises(ValueError, match="nearest, stochastic"):
+        opt.round_params("up")
+
+
+def test_held_bytes_count_what_is_kept_between_steps():
+    small = [torch.nn.Parameter(torch.randn(10)) for _ in range(5)]   # packed into one buffer of 50
+    opt = lp.LowPrecisionOptimizer(torch.optim.SGD(small, lr=0.1), "bf16")
+    assert opt.held_bytes() == 50 * 4
+    kahan = lp.LowPrecisionOptimizer(torch.optim.SGD([torch.nn.Parameter(torch.randn(1000))], lr=0.1), "bf16",
+                                     compensation="kahan")
+    before = kahan.held_bytes()
+    kahan.param_groups[0]["params"][0].grad = torch.ones(1000)
+    kahan.step()
+    assert kahan.held_bytes() == before + 1000 * 4       # the compensation buffer
+    w = torch.nn.Parameter(torch.randn(1000))
+    plain = FreezePredictor({"w": w}, ["bf16"])
+    masked = FreezePredictor({"w": w}, ["bf16"], keep_masks=True)
+    for tracker in (plain, masked):
+        tracker.before_step()
+        w.data -= 1e-3
+        tracker.after_step()
+    # one float32 snapshot and the first-step ratios; the masks one byte per element more
+    assert plain.held_bytes() >= 1000 * 4 + 1000 * 4
+    assert masked.held_bytes() == plain.held_bytes() + 1000
+    obs = FreezeObserver({"w": w}, "bf16")
+    obs.before_step()
+    obs.after_step()
+    assert obs.held_bytes() >= 1000 * 4
+
+
+def test_provenance_names_the_cpu_model():
+    p = provenance("cpu")
+    try:
+        with open("/proc/cpuinfo") as f:
+            models = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+    except OSError:
+        models = []
+    if not models:
+        pytest.skip("no /proc/cpuinfo model name on this machine")
+    assert p["device_name"] == models[0]
+    assert {"package_version", "torch_version", "git_commit", "date"} <= set(p)
+
+
+def test_benchmark_machine_is_the_provenance_plus_load():
+    from lowprec_demo import bench
+    m = bench._machine("cpu")
+    p = provenance("cpu")
+    assert m["device_name"] == p["device_name"] and m["git_commit"] == p["git_commit"]
+    assert m["threads"] == torch.get_num_threads() and "load_average_start" in m
