@@ -150,7 +150,7 @@ class TrainResult:
     def predictor_errors(self, threshold: Optional[float] = None) -> Dict[str, dict]:
         """How far each predictor is from the observed (round-to-nearest) frozen fraction: the
         reference run's prediction (``"fp32"``) and every baseline, each with
-        ``mean_abs_error`` (mean over the run of |F_predicted - F_observed|), ``freeze_step``,
+        ``mean_abs_error`` (mean over the run of ``abs(F_predicted - F_observed)``), ``freeze_step``,
         ``step_error`` (its freeze step minus the observed one; None unless both exist) and
         ``agrees`` (:func:`~lowprec_demo.prediction.steps_agree` with the observed step).
 
@@ -264,7 +264,7 @@ class TrainResult:
 
 def evidence_table(cases: Dict[str, "TrainResult"], threshold: Optional[float] = None) -> str:
     """One line per run: the observed freeze step; the freeze step and mean error
-    (|F - F_observed| over the run) of the prediction and of every baseline; the element-level
+    (``abs(F - F_observed)`` over the run) of the prediction and of every baseline; the element-level
     mismatch against chance; and whether the run is decisive (no baseline agrees).
 
     Example: ``print(evidence_table({"bf16": result}))``."""

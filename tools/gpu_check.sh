@@ -13,7 +13,8 @@
 #            the E4M3 grid with round to nearest and with stochastic rounding. TF32 matrix products
 #            (stored weights are unchanged: fp32 in the reference, on the grid otherwise).
 #
-# Each experiment first times a few steps of every run it will make (the median step of each),
+# Each experiment first times a few steps of every run it will make (the median over the steps of
+# the time one step of all runs takes),
 # then picks the number of steps that fits what is left of its budget (at most the full size's
 # 5000 and 2000 steps). So the size of the runs depends on the machine; the JSON records it.
 #
@@ -86,18 +87,17 @@ def timed_task(name, config):
     return task, stamps
 
 
-def step_times(stamps):
-    """Median step time of each run, in the order the runs were made."""
-    runs, current = [], []
+def step_seconds(stamps):
+    """Seconds that one step of every run takes, all runs together: each batch stamp's time until
+    the next stamp of the same step (the reference and round-to-nearest runs go in lockstep, one
+    step of each in turn) or of the next step (a run on its own), summed per step, and the median
+    over the steps after the first (compilation) and before the last (a run's end)."""
+    per_step = {}
     for (step, t), (step2, t2) in zip(stamps, stamps[1:]):
-        if step2 == step + 1:
-            current.append(t2 - t)
-        elif current:
-            runs.append(current)
-            current = []
-    if current:
-        runs.append(current)
-    return [sorted(r)[len(r) // 2] for r in runs]
+        if step >= 1 and step2 in (step, step + 1):
+            per_step.setdefault(step, []).append(t2 - t)
+    totals = sorted(sum(v) for s, v in per_step.items() if s <= max(per_step) - 1) or [0.0]
+    return totals[len(totals) // 2]
 
 
 def steps_for(seconds_per_step, lo, hi):
@@ -121,15 +121,15 @@ def run_nanogpt():
     task, stamps = timed_task("nanogpt", config)
     say("nanogpt:", task.description)
     train_formats("nanogpt", task, config, formats, variants=variants, progress=False)
-    main = step_times(stamps)                # reference (4 formats), bf16 nearest, stochastic, 3 nearest
+    main = step_seconds(stamps)              # reference and 4 nearest runs in lockstep, then stochastic
     seed_config = make_config("nanogpt", scale, device=device, steps=cal, eval_every=0, seed=1,
                               variants=("reference", "nearest"))
     seed_task, seed_stamps = timed_task("nanogpt", seed_config)
     train_variants("nanogpt", seed_task, seed_config, progress=False)
-    seed = step_times(seed_stamps)
+    seed = step_seconds(seed_stamps)
     summary["calibration_step_s"] = {"sweep": main, "seed1": seed}
-    say("median step times (s): sweep", [round(x, 4) for x in main], "seed 1", [round(x, 4) for x in seed])
-    steps = steps_for(sum(main) + sum(seed), 20 if dry else 100, 5000)
+    say(f"seconds per step of all runs: sweep {main:.4f}, seed 1 {seed:.4f}")
+    steps = steps_for(main + seed, 20 if dry else 100, 5000)
     warmup = min(100, steps // 10)
     summary["steps"] = steps
     config = make_config("nanogpt", scale, device=device, steps=steps, warmup_steps=warmup)
@@ -145,7 +145,7 @@ def run_nanogpt():
                "final_val_loss": {v: r.final_eval.get("val_loss") for v, r in result.runs.items()}}
         summary["freeze_steps"][fmt] = row
         say(f"nanogpt {fmt}: {row}")
-    expected = (time.time() - start) * sum(seed) / sum(main)
+    expected = (time.time() - start) * seed / main
     left = budget - (time.time() - t0)
     if expected < 0.9 * left:
         config = make_config("nanogpt", scale, device=device, steps=steps, warmup_steps=warmup, seed=1,
@@ -169,10 +169,10 @@ def run_gpt2():
     task, stamps = timed_task("gpt2", config)
     say("gpt2:", task.description)
     train_variants("gpt2", task, config, progress=False)
-    times = step_times(stamps)
-    summary["calibration_step_s"] = times
-    say("median step times (s): reference, nearest, stochastic", [round(x, 4) for x in times])
-    steps = steps_for(sum(times), 3 if dry else 10, 2000)
+    per_step = step_seconds(stamps)
+    summary["calibration_step_s"] = per_step
+    say(f"seconds per step of all runs (reference and nearest in lockstep, then stochastic): {per_step:.4f}")
+    steps = steps_for(per_step, 3 if dry else 10, 2000)
     summary["steps"] = steps
     config = make_config("gpt2", scale, device=device, steps=steps, warmup_steps=min(20, steps // 10),
                          eval_every=max(1, steps // 6), **shape)
