@@ -132,3 +132,17 @@ def test_offline_without_shakespeare_falls_back_and_says_so(monkeypatch):
     with pytest.warns(lp.data.DataFallbackWarning):
         r = lp.run_experiment("nanogpt", steps=3, progress=False, variants=("reference",), **TINY_NANOGPT)
     assert "fallback corpus" in r.description
+
+
+@pytest.mark.parametrize("value, has_bias", [(False, False), ("false", False), ("true", True)])
+def test_nanogpt_bias_option(value, has_bias):
+    config = lp.make_config("nanogpt", "quick", steps=2, bias=value, **TINY_NANOGPT)
+    model = lp.experiments.get_experiment("nanogpt").build(config).make_model(None)
+    biases = [n for n, _ in model.named_parameters() if n.endswith(".bias")]
+    assert bool(biases) == has_bias
+
+
+def test_nanogpt_bias_option_rejects_other_text():
+    config = lp.make_config("nanogpt", "quick", steps=2, bias="maybe", **TINY_NANOGPT)
+    with pytest.raises(ValueError, match="true or false"):
+        lp.experiments.get_experiment("nanogpt").build(config)

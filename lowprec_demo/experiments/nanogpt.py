@@ -11,7 +11,8 @@ LayerNorm gains (``|w| = 1``) never move in bf16 at ``lr <= 2^-9``, and the bulk
 (``|w|`` about 0.02) stop at a step the fp32 reference run predicts.
 
 Options: ``model`` (a name in :data:`lowprec_demo.models.GPT_CONFIGS`), ``n_layer``, ``n_head``,
-``n_embd``, ``block_size`` (override the model's shape), ``batch_size``, ``eval_batches``
+``n_embd``, ``block_size`` (override the model's shape), ``bias`` (biases in the linear layers and
+LayerNorms, as in GPT-2; nanoGPT's own default is without), ``batch_size``, ``eval_batches``
 (validation batches per evaluation), ``val_fraction``.
 """
 
@@ -56,6 +57,18 @@ def decay_groups(model: torch.nn.Module, config: TrainConfig) -> list:
     params = [p for p in model.parameters() if p.requires_grad]
     return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": config.weight_decay},
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def _flag(value) -> bool:
+    """An on/off option given as a bool or as text (``--set bias=false`` on the command line)."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected true or false, got {value!r}")
 
 
 def shard_rows(batch, rank: int, world_size: int):
@@ -110,6 +123,8 @@ def build(config: TrainConfig) -> Task:
     o = config.options
     tokens, tokenizer, source = char_tokens()
     shape = {k: int(o[k]) for k in _SHAPE_OPTIONS if k in o}
+    if "bias" in o:
+        shape["bias"] = _flag(o["bias"])
     model_config = gpt_config(str(o.get("model", "nanogpt-quick")), vocab_size=tokenizer.vocab_size, **shape)
     description = (f"character-level GPT ({model_config.n_layer} layers, {model_config.n_head} heads, "
                    f"{model_config.n_embd} wide, context {model_config.block_size}, vocab {tokenizer.vocab_size}) "
@@ -119,4 +134,4 @@ def build(config: TrainConfig) -> Task:
 
 register(Experiment(name="nanogpt", description="character-level GPT on Tiny Shakespeare (nanoGPT shakespeare-char)",
                     defaults=_defaults, build=build,
-                    options=("model", *_SHAPE_OPTIONS, "batch_size", "val_fraction", "eval_batches")))
+                    options=("model", *_SHAPE_OPTIONS, "bias", "batch_size", "val_fraction", "eval_batches")))
