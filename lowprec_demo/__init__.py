@@ -9,7 +9,8 @@ Modules: ``formats`` (float formats), ``rounding`` (exact nearest and stochastic
 freeze rule), ``optimizer`` (LowPrecisionOptimizer), ``prediction`` (freeze prediction and
 observation), ``training`` (the training loop), ``experiments`` (named experiments),
 ``data`` and ``models``, ``plots``, ``widgets``, ``demos``, ``results`` (stored full-scale
-runs), ``cli`` (``python -m lowprec_demo``) and ``bench`` (``python -m lowprec_demo.bench``).
+runs), ``watch`` (a freeze watch for your own training loop: ``lowprec_demo.watch(model, optimizer)``),
+``cli`` (``python -m lowprec_demo``) and ``bench`` (``python -m lowprec_demo.bench``).
 
 Example:
     >>> import lowprec_demo as lp
@@ -28,6 +29,7 @@ from .config import TrainConfig, lr_factor
 from .results import TrainResult, evidence_table, load_result, stored_results
 from .training import Task, train_formats, train_variants
 from .experiments import experiment_names, make_config, run_experiment, run_formats, sweep
+from .watch import Diagnosis, FreezeWatch, load_watch, watch
 
 __version__ = "0.1.0"
 
@@ -42,4 +44,5 @@ __all__ = [
     "load_result", "stored_results",
     "experiment_names", "make_config", "run_experiment", "sweep",
     "scale", "by_scale", "pick_device", "seed_everything", "progress_bar",
+    "watch", "FreezeWatch", "Diagnosis", "load_watch",
 ]

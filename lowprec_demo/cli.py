@@ -5,6 +5,7 @@ Usage::
     python -m lowprec_demo run EXPERIMENT [--format NAME] [--steps N] [--lr LR] [--seed S]
         [--device cpu|cuda|auto] [--scale quick|full] [--out results.json] [--set key=value ...]
     python -m lowprec_demo list
+    python -m lowprec_demo report WATCH.json [--format NAME] [--plot out.png]
 
 The JSON holds ``experiment``, ``config``, ``provenance`` (package and torch versions, device,
 git commit, date), ``runs`` (``reference``, ``nearest``, ``stochastic``, each with a per-step
@@ -229,7 +230,37 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--no-progress", action="store_true", help="no progress bars")
     run.set_defaults(run_parser=run)
     sub.add_parser("list", help="list experiments and formats")
+    report = sub.add_parser("report", help="print the table of a saved freeze watch (watch.save(PATH)), and draw it")
+    report.add_argument("path", help="the JSON file the watch saved")
+    report.add_argument("--format", dest="fmt", default=None, help="which of its formats (default: the first)")
+    report.add_argument("--plot", default=None, metavar="OUT.png", help="also draw its figure into this image file")
+    report.set_defaults(report_parser=report)
     return parser
+
+
+def _report(args: argparse.Namespace) -> int:
+    """``report PATH``: the table of a saved watch, and with ``--plot`` its figure."""
+    import json
+
+    from .watch import WatchReport
+    fail = args.report_parser
+    try:
+        with open(args.path) as f:
+            report = WatchReport(json.load(f))
+        report.summary(args.fmt)
+    except FileNotFoundError:
+        return _fail(fail, f"{args.path}: no such file")
+    except (ValueError, KeyError) as exc:   # not JSON, not a watch report, or a format it does not hold
+        return _fail(fail, f"{args.path}: {exc}")
+    if args.plot:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        ax = report.plot(args.fmt)
+        ax.figure.savefig(args.plot, dpi=120, bbox_inches="tight")
+        plt.close(ax.figure)
+        print(f"wrote {args.plot}")
+    return 0
 
 
 def _fail(parser: argparse.ArgumentParser, message: str) -> int:
@@ -267,6 +298,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"{name:12s} {get_experiment(name).description}")
         print("formats:", ", ".join(FORMAT_NAMES), "or e<E>m<m>")
         return 0
+    if args.command == "report":
+        return _report(args)
     fail = args.run_parser
     try:
         # everything that can be checked is checked before any training

@@ -225,9 +225,12 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
                     for _, flat, _ in plan if flat is not None)
         return packs + sum(b.numel() * b.element_size() for b in self._compensation_buffers.values())
 
+    @torch.optim.Optimizer.profile_hook_step   # runs the step hooks (register_step_pre_hook ...)
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None):
-        """One step of the inner optimizer, then store the selected parameters in low precision."""
+        """One step of the inner optimizer, then store the selected parameters in low precision.
+        Step hooks registered on this optimizer run before and after the whole step, rounding
+        included."""
         loss = self.optimizer.step(closure)
         if self.compensation == "kahan":
             for p in self.lowprec_params:

@@ -228,3 +228,18 @@ def test_bad_arguments_name_allowed_values():
         LowPrecisionOptimizer(torch.optim.SGD(p, lr=1), "bf17")
     with pytest.raises(ValueError, match="saturate"):
         LowPrecisionOptimizer(torch.optim.SGD(p, lr=1), "e4m3", overflow="inf")
+
+
+def test_step_hooks_run_around_the_whole_step():
+    w = torch.nn.Parameter(torch.ones(3))
+    opt = LowPrecisionOptimizer(torch.optim.SGD([w], lr=0.1), "bf16")
+    seen = []
+    opt.register_step_pre_hook(lambda o, args, kwargs: seen.append(("pre", w.tolist())))
+    handle = opt.register_step_post_hook(lambda o, args, kwargs: seen.append(("post", w.tolist())))
+    w.grad = torch.full((3,), 0.013)       # 1 - 0.0013 rounds back to 1 in bf16
+    opt.step()
+    assert seen == [("pre", [1.0] * 3), ("post", [1.0] * 3)]   # the post hook sees the rounded weights
+    handle.remove()
+    w.grad = torch.full((3,), 0.05)        # 1 - 0.005 rounds to 1 - 2**-8
+    opt.step()
+    assert len(seen) == 3 and w.tolist() == [1 - 2**-8] * 3

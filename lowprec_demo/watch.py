@@ -1,0 +1,803 @@
+"""A freeze watch for your own training: which stored weights cannot move, and when they will stop.
+
+Put it on any model and ``torch.optim`` optimizer in one line; the training loop stays as it is::
+
+    watch = lowprec_demo.watch(model, optimizer, formats=("bf16",), scheduler=scheduler, total_steps=T)
+    ...                                   # train as usual
+    watch.summary()                       # a table: tensor, size, format, frozen now, since, forecast
+    watch.diagnoses()                     # what cannot move, and why, in plain words
+
+It attaches through the optimizer's step hooks (``register_step_pre_hook`` and
+``register_step_post_hook``): before a watched step it copies the parameters (one copy, the only
+snapshot it holds), after it compares. It answers in one of two ways, chosen by how the
+parameters are stored:
+
+*prediction*, when they are float32 (or float64): for every format in ``formats``, the fraction of
+each tensor that round to nearest would have left in place, by the rule of chapter 2
+(``q(q(w) + d) == q(w)`` for the update ``d`` just applied), the fraction stochastic rounding
+would move (``min(1, |d|/gap)``), and the distribution of ``|d| / (lr gap)``, from which
+:meth:`FreezeWatch.forecast` tells, for the rest of the learning-rate schedule, when each tensor
+and the whole model will pass the threshold;
+
+*observation*, when they are stored in a low-precision dtype (``torch.bfloat16``, ``torch.float16``,
+``torch.float8_e4m3fn``, ``torch.float8_e5m2``) or kept on a grid by
+:class:`~lowprec_demo.optimizer.LowPrecisionOptimizer`: the fraction of each tensor that is bit for
+bit the same after the step, and of those the elements whose gradient was not zero (*frozen*)
+and those that had none (*idle*).
+
+``every=k`` watches one step in k; ``detach()`` removes the hooks (the watch is also a context
+manager). ``save(path)`` writes the report as JSON, atomically, and ``python -m lowprec_demo
+report PATH`` prints it again.
+
+Example:
+    >>> import torch, lowprec_demo as lp
+    >>> model = torch.nn.Linear(4, 1)
+    >>> opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    >>> with lp.watch(model, opt, formats=("bf16",), progress=False) as w:
+    ...     for _ in range(3):
+    ...         opt.zero_grad(); model(torch.ones(8, 4)).pow(2).mean().backward(); opt.step()
+    >>> len(w.record("bf16").overall)
+    3
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import types
+import warnings
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Union
+
+import torch
+
+from .formats import FloatFormat, get_format
+from .optimizer import LowPrecisionOptimizer
+from .prediction import FreezeRecord, freeze_step
+from .results import atomic_write_json
+from .rounding import quantize, ulp, update_ulp_ratio, would_freeze
+from .runtime import progress_bar
+
+__all__ = ["watch", "FreezeWatch", "Diagnosis", "WatchReport", "load_watch", "DIAGNOSIS_KINDS",
+           "DTYPE_FORMATS", "format_of_dtype"]
+
+DIAGNOSIS_KINDS = ("cannot_move", "weight_decay", "state_decay", "counter", "idle", "frozen")
+
+# torch dtypes that store a low-precision format, and the package's name of that format
+DTYPE_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+for _name, _fmt in (("float8_e4m3fn", "e4m3"), ("float8_e5m2", "e5m2")):
+    if hasattr(torch, _name):
+        DTYPE_FORMATS[getattr(torch, _name)] = _fmt
+
+# the forecast's histogram of log2(|d| / (lr * gap)): eighths of an octave from 2^-64 to 2^32
+_EDGES = torch.arange(-64 * 8, 32 * 8 + 1, dtype=torch.float32) / 8
+_SAMPLE = 1 << 16        # at most this many elements per tensor go into the histogram
+_MEMORY = 20             # the forecast's histogram: a moving average over about this many watched steps
+_LOCKED = 0.99           # "cannot move" / "frozen": at least this fraction of a tensor held still
+
+
+def format_of_dtype(dtype: torch.dtype) -> Optional[str]:
+    """The package's name of the format a torch dtype stores, or None for float32, float64 and
+    non-float dtypes. Example: ``format_of_dtype(torch.bfloat16)`` -> ``"bf16"``."""
+    return DTYPE_FORMATS.get(dtype)
+
+
+@dataclass
+class Diagnosis:
+    """One finding of the watch: ``kind`` (one of :data:`DIAGNOSIS_KINDS`), ``tensor`` (a name,
+    or None for the whole model), a plain-words ``message`` with its remedy, and the ``numbers``
+    behind it."""
+
+    kind: str
+    tensor: Optional[str]
+    message: str
+    numbers: dict = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        return f"[{self.kind}] {self.message}"
+
+
+def _inner(optimizer):
+    """The torch optimizer behind wrappers that hold one as ``.optimizer`` (accelerate's
+    AcceleratedOptimizer, as the Hugging Face Trainer passes it); a LowPrecisionOptimizer is
+    kept, since it does the rounding."""
+    while (not isinstance(optimizer, LowPrecisionOptimizer)
+           and isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer)):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+def _scheduler_of(scheduler):
+    while scheduler is not None and not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler) \
+            and hasattr(scheduler, "scheduler"):
+        scheduler = scheduler.scheduler     # accelerate's AcceleratedScheduler
+    return scheduler
+
+
+def _check_schedule(scheduler) -> None:
+    if scheduler is None or callable(scheduler) and not hasattr(scheduler, "step"):
+        return
+    if isinstance(scheduler, (list, tuple)):
+        if not all(isinstance(x, (int, float)) for x in scheduler):
+            raise ValueError("a schedule given as a list must hold one learning rate (a number) per step")
+        return
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        raise ValueError("ReduceLROnPlateau sets the learning rate from a metric, so it has no schedule to "
+                         "forecast from; pass the planned learning rates as a list or a callable step -> lr")
+    if not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
+        raise ValueError(f"scheduler must be a torch.optim.lr_scheduler scheduler, a callable step -> lr, a list of "
+                         f"learning rates or None; got {type(scheduler).__name__}, which has no learning-rate schedule")
+
+
+def _total_of(scheduler) -> Optional[int]:
+    if isinstance(scheduler, (list, tuple)):
+        return len(scheduler)
+    for attr in ("total_steps", "T_max"):   # OneCycleLR; CosineAnnealingLR (its T_max steps, then step T_max)
+        value = getattr(scheduler, attr, None)
+        if isinstance(value, int):
+            return value + (attr == "T_max")
+    return None
+
+
+class FreezeWatch:
+    """What :func:`watch` returns: the hooks, the measurements, and the answers. See the module
+    docstring; the arguments are those of :func:`watch`.
+
+    Attributes:
+        mode: ``"predict"`` (float32 parameters: what each format would do) or ``"observe"``
+            (parameters stored in a low-precision format: what happened).
+        formats: the formats of the records, by name.
+        steps: the optimizer step of every watched point (0-based).
+        names, sizes: the tracked parameters by name, and their element counts.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer, formats: Sequence = ("bf16",), scheduler=None,
+                 every: int = 1, threshold: float = 0.5, total_steps: Optional[int] = None,
+                 patience: int = 10, path=None, save_every: int = 100, writer=None,
+                 progress: bool = False) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+            raise ValueError(f"every must be a whole number of steps >= 1, got {every!r}")
+        if not isinstance(threshold, (int, float)) or not 0.0 < threshold <= 1.0:
+            raise ValueError(f"threshold must be in (0, 1], got {threshold!r}")
+        if not isinstance(patience, int) or patience < 1:
+            raise ValueError(f"patience must be a whole number of watched steps >= 1, got {patience!r}")
+        if isinstance(formats, (str, FloatFormat)):
+            formats = [formats]
+        self.formats_given = [get_format(f) for f in formats]    # a ValueError names the valid formats
+        self.optimizer = _inner(optimizer)
+        if not isinstance(self.optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        _check_schedule(scheduler)
+        self.scheduler = _scheduler_of(scheduler)
+        self.every, self.threshold, self.patience = every, float(threshold), patience
+        self.total_steps = total_steps if total_steps is not None else _total_of(self.scheduler)
+
+        names = {id(p): n for n, p in model.named_parameters()}
+        self._params: Dict[str, torch.nn.Parameter] = {}
+        self._group: Dict[str, int] = {}
+        for gi, group in enumerate(self.optimizer.param_groups):
+            for p in group["params"]:
+                if id(p) not in names:
+                    raise ValueError(f"the optimizer holds a parameter of shape {tuple(p.shape)} that is not one of the "
+                                     f"model's; pass the model whose parameters the optimizer trains")
+                if not p.is_floating_point():
+                    raise ValueError(f"{names[id(p)]} has dtype {p.dtype}: the watch tracks floating-point parameters "
+                                     f"only")
+                self._params[names[id(p)]] = p
+                self._group[names[id(p)]] = gi
+        if not self._params:
+            raise ValueError("the optimizer has no parameters to watch")
+        self.names = list(self._params)
+        self.sizes = {n: p.numel() for n, p in self._params.items()}
+
+        # observation: parameters in a low-precision dtype, or on the grid of a LowPrecisionOptimizer
+        stored = {}
+        on_grid = {id(p) for p in self.optimizer.lowprec_params} if isinstance(self.optimizer, LowPrecisionOptimizer) else set()
+        for n, p in self._params.items():
+            if format_of_dtype(p.dtype):
+                stored[n] = get_format(format_of_dtype(p.dtype))
+            elif id(p) in on_grid:
+                stored[n] = self.optimizer.fmt
+        self.mode = "observe" if stored else "predict"
+        if self.mode == "observe":
+            self._formats = stored
+            self.tracked = list(stored)
+        else:
+            if not self.formats_given:
+                raise ValueError("give at least one format to predict, e.g. formats=('bf16',)")
+            self._formats = {}
+            self.tracked = list(self.names)
+        names_of = [f.name for f in self.formats_given] if self.mode == "predict" else list(
+            dict.fromkeys(f.name for f in stored.values()))
+        self.formats = names_of
+        self.records = {f: FreezeRecord(format=f, kind="predicted" if self.mode == "predict" else "observed")
+                        for f in self.formats}
+        self.steps: List[int] = []
+        self.lrs: List[List[float]] = []                  # per watched step, per param group
+        self.idle: Dict[str, List[float]] = {n: [] for n in self.tracked}       # no gradient
+        self.frozen_with_grad: Dict[str, List[float]] = {n: [] for n in self.tracked}
+        self._rows_seen: Dict[str, torch.Tensor] = {}
+        self._hist: Dict[tuple, torch.Tensor] = {}
+        self._medians: Dict[tuple, tuple] = {}
+        self._before: Dict[str, torch.Tensor] = {}
+        self._step = 0
+        self._state_values: Dict[tuple, float] = {}
+        self._stuck_counters: Dict[tuple, int] = {}
+        self.path, self.save_every, self.writer = path, save_every, writer
+        self._bar = progress_bar(range(self.total_steps or 0), desc="freeze watch", disable=not progress) \
+            if progress else None
+        self._handles = [self.optimizer.register_step_pre_hook(self._pre),
+                         self.optimizer.register_step_post_hook(self._post)]
+
+    # ---- hooks ---------------------------------------------------------------------------------
+
+    def _watched(self) -> bool:
+        return self._step % self.every == 0
+
+    @torch.no_grad()
+    def _pre(self, optimizer, args, kwargs) -> None:
+        if not self._watched():
+            return
+        for n in self.tracked:
+            p = self._params[n].detach()
+            buf = self._before.get(n)
+            if buf is None or buf.shape != p.shape or buf.dtype != p.dtype or buf.device != p.device:
+                self._before[n] = buf = torch.empty_like(p)
+            buf.copy_(p)
+        self._lr_now = [float(g["lr"]) for g in self.optimizer.param_groups]
+
+    @torch.no_grad()
+    def _post(self, optimizer, args, kwargs) -> None:
+        step, self._step = self._step, self._step + 1
+        if self._bar is not None and hasattr(self._bar, "update"):
+            self._bar.update(1)
+        if step % self.every:
+            self._watch_counters(step)
+            return
+        self.steps.append(step)
+        self.lrs.append(self._lr_now)
+        per_format = {f: [] for f in self.formats}
+        for n in self.tracked:
+            new, old = self._params[n].detach(), self._before[n]
+            grad = self._params[n].grad
+            no_grad = torch.ones_like(new, dtype=torch.bool) if grad is None else grad == 0
+            size = new.numel()
+            if grad is not None and new.dim() >= 2:      # rows (dim 0) that ever had a gradient
+                seen = (~no_grad).reshape(new.shape[0], -1).any(1)
+                self._rows_seen[n] = seen if n not in self._rows_seen else self._rows_seen[n] | seen
+            idle = int(no_grad.sum())
+            self.idle[n].append(idle / size)
+            if self.mode == "observe":
+                fmt = self._formats[n]
+                same = new == old
+                held = int(same.sum())
+                self.frozen_with_grad[n].append(int((same & ~no_grad).sum()) / size)
+                per_format[fmt.name].append((n, held, size))
+                continue
+            update = new.float() - old.float() if new.dtype != torch.float64 else new - old
+            lr = self._lr_now[self._group[n]]
+            for fmt in self.formats_given:
+                q = quantize(old, fmt)
+                frozen = would_freeze(q, update, fmt)
+                held = int(frozen.sum())
+                ratio = update_ulp_ratio(q, update, fmt)
+                moved = float(ratio.clamp(max=1.0).sum())
+                per_format[fmt.name].append((n, held, size, moved))
+                if fmt is self.formats_given[0]:
+                    self.frozen_with_grad[n].append(int((frozen & ~no_grad).sum()) / size)
+                self._measure(n, fmt, q, update, ratio, lr)
+        for f, rows in per_format.items():
+            rec = self.records[f]
+            total = sum(r[2] for r in rows)
+            for r in rows:
+                if r[0] not in rec.by_tensor:
+                    rec.by_tensor[r[0]], rec.sizes[r[0]] = [], r[2]
+                rec.by_tensor[r[0]].append(r[1] / r[2])
+            rec.overall.append(sum(r[1] for r in rows) / total if total else math.nan)
+            if self.mode == "predict":
+                rec.move_fraction.append(sum(r[3] for r in rows) / total if total else math.nan)
+        self._watch_counters(step)
+        if self.writer is not None:
+            for f in self.formats:
+                self.writer.add_scalar(f"freeze/{f}/frozen", self.records[f].overall[-1], step)
+                for group, members in self.groups().items():
+                    n_all = sum(self.sizes[n] for n in members)
+                    value = sum(self.records[f].by_tensor[n][-1] * self.sizes[n] for n in members) / n_all
+                    self.writer.add_scalar(f"freeze/{f}/{group}", value, step)
+        if self._bar is not None and hasattr(self._bar, "set_postfix_str"):
+            self._bar.set_postfix_str(", ".join(f"{f} frozen {self.records[f].overall[-1]:.2f}" for f in self.formats))
+        if self.path is not None and len(self.steps) % self.save_every == 0:
+            self.save(self.path)
+
+    def _measure(self, name: str, fmt: FloatFormat, stored, update, ratio, lr: float) -> None:
+        """The histogram of log2(|d| / (lr gap)) of a strided sample, for the forecast, and the
+        medians of |d| and of half the gap, for the diagnoses."""
+        flat = ratio.reshape(-1)
+        stride = max(1, flat.numel() // _SAMPLE)
+        sample = flat[::stride].float()
+        scaled = torch.log2(sample / lr) if lr > 0 else torch.full_like(sample, math.inf)
+        scaled = torch.where(sample > 0, scaled, torch.full_like(scaled, -math.inf))
+        counts = torch.bincount(torch.bucketize(scaled.cpu(), _EDGES), minlength=len(_EDGES) + 1).double()
+        key = (name, fmt.name)
+        counts /= counts.sum()
+        if key in self._hist:    # an exponential moving average: Adam's ratio varies from step to step
+            self._hist[key].mul_(1 - 1 / _MEMORY).add_(counts, alpha=1 / _MEMORY)
+        else:
+            self._hist[key] = counts
+        d = update.reshape(-1)[::stride].abs().float()
+        half_gap = ulp(stored.reshape(-1)[::stride], fmt).float() / 2
+        self._medians[key] = (float(d.median()), float(half_gap.median()), lr)
+
+    def _watch_counters(self, step: int) -> None:
+        """Optimizer-state counters (``step``) held in a float format: do they still count?"""
+        for n in self.tracked:
+            for key, value in self.optimizer.state.get(self._params[n], {}).items():
+                if torch.is_tensor(value) and value.dim() == 0 and value.is_floating_point():
+                    v = float(value)
+                    last = self._state_values.get((n, key))
+                    if last is not None and v == last:
+                        self._stuck_counters[(n, key)] = self._stuck_counters.get((n, key), 0) + 1
+                    self._state_values[(n, key)] = v
+
+    # ---- attach and detach ---------------------------------------------------------------------
+
+    def detach(self) -> "FreezeWatch":
+        """Remove the hooks (the measurements stay); save the report if a ``path`` was given."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self._before = {}
+        if self._bar is not None and hasattr(self._bar, "close"):
+            self._bar.close()
+        if self.path is not None:
+            self.save(self.path)
+        return self
+
+    def __enter__(self) -> "FreezeWatch":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.detach()
+
+    # ---- answers -------------------------------------------------------------------------------
+
+    def record(self, fmt=None) -> FreezeRecord:
+        """The :class:`~lowprec_demo.prediction.FreezeRecord` of a format (the first when None):
+        per watched step the frozen fraction overall and by tensor (predicted or observed)."""
+        name = self.formats[0] if fmt is None else get_format(fmt).name
+        if name not in self.records:
+            raise KeyError(f"no record for {name}; this watch records: {', '.join(self.formats)}")
+        return self.records[name]
+
+    def frozen_since(self, fmt=None, threshold: Optional[float] = None) -> Dict[str, Optional[int]]:
+        """The step from which each tensor (and ``"overall"``) has stayed at or above the
+        threshold, or None."""
+        rec, tau = self.record(fmt), self.threshold if threshold is None else threshold
+        out = {}
+        for name, values in [("overall", rec.overall)] + list(rec.by_tensor.items()):
+            i = freeze_step(values, tau)
+            out[name] = None if i is None else self.steps[i]
+        return out
+
+    def _schedule(self, total: int) -> Dict[int, List[float]]:
+        """The learning rate of every param group at every step from the last watched one to the
+        end of the run."""
+        t0, now = self.steps[-1], self.lrs[-1]
+        steps = range(t0, total)
+        sched = self.scheduler
+        if sched is None:
+            return {s: list(now) for s in steps}
+        if isinstance(sched, (list, tuple)) or callable(sched) and not hasattr(sched, "step"):
+            value = (lambda s: float(sched[min(s, len(sched) - 1)])) if isinstance(sched, (list, tuple)) else sched
+            base = float(value(t0))
+            return {s: [lr * float(value(s)) / base if base > 0 else 0.0 for lr in now] for s in steps}
+        # a torch scheduler: step a copy of it over a stand-in for the optimizer
+        groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} | {"params": []}
+                  for g in sched.optimizer.param_groups]
+        stand_in = types.SimpleNamespace(param_groups=groups, step=lambda *a, **k: None, _opt_called=True)
+        stand_in.step._wrapped_by_lr_sched = True
+        clone = copy.deepcopy(sched, memo={id(sched.optimizer): stand_in})
+        at = clone.last_epoch            # the step whose learning rate the groups hold now
+        out = {}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if at > t0:                  # the scheduler already stepped past the watched step
+                out[t0] = list(now)
+            for s in range(at, total):
+                if s >= t0:
+                    out[s] = [float(g["lr"]) for g in groups]
+                clone.step()
+        return out
+
+    def forecast_curves(self, fmt=None, total_steps: Optional[int] = None) -> Dict[str, Dict[int, float]]:
+        """The forecast frozen fraction of every tensor and ``"overall"`` at every step after the
+        last watched one, to the end of the run: ``{name: {step: fraction}}``.
+
+        From what the watch measured: each element's update per unit of learning rate, in gaps
+        of its stored value (``|d| / (lr gap)``, a histogram of the last few watched steps), is
+        taken to stay as it is; an element is then frozen at a later step whose learning rate
+        ``lr_s`` makes ``lr_s |d| / (lr gap)`` less than 1/2."""
+        if self.mode != "predict":
+            raise ValueError("a forecast needs the updates of a float32 run (the watch in prediction mode); this "
+                             "watch observes parameters stored in low precision")
+        if not self.steps:
+            raise ValueError("nothing watched yet: call forecast after at least one optimizer step")
+        name = self.record(fmt).format
+        total = total_steps if total_steps is not None else self.total_steps
+        if total is None:
+            raise ValueError("the forecast needs the run's length: give total_steps to watch() or forecast(), or a "
+                             "schedule that knows it (a list of learning rates, OneCycleLR, CosineAnnealingLR)")
+        schedule = self._schedule(total)
+        future = [s for s in sorted(schedule) if s > self.steps[-1]]
+        cum = {}
+        out: Dict[str, Dict[int, float]] = {}
+        weighted = {s: 0.0 for s in future}
+        for n in self.tracked:
+            c = torch.cumsum(self._hist[(n, name)], 0)
+            cum[n] = (c / c[-1]).tolist()
+            gi = self._group[n]
+            curve = {}
+            for s in future:
+                lr = schedule[s][gi]
+                curve[s] = 1.0 if lr <= 0 else _fraction_below(cum[n], math.log2(0.5 / lr))
+                weighted[s] += curve[s] * self.sizes[n]
+            out[n] = curve
+        total_size = sum(self.sizes[n] for n in self.tracked)
+        out["overall"] = {s: weighted[s] / total_size for s in future}
+        return out
+
+    def forecast(self, fmt=None, threshold: Optional[float] = None,
+                 total_steps: Optional[int] = None) -> Dict[str, object]:
+        """The step at which the whole model and each tensor will pass the threshold (the first
+        step from which the frozen fraction stays at or above it to the end of the run: the
+        measured points so far, then :meth:`forecast_curves`), or None when that does not
+        happen within the schedule: ``{"overall": step or None, "by_tensor": {name: step or None}}``."""
+        tau = self.threshold if threshold is None else threshold
+        if not 0.0 < tau <= 1.0:
+            raise ValueError(f"threshold must be in (0, 1], got {tau!r}")
+        curves = self.forecast_curves(fmt, total_steps)
+        rec = self.record(fmt)
+
+        def step_of(past: List[float], ahead: Dict[int, float]) -> Optional[int]:
+            points = list(zip(self.steps, past)) + sorted(ahead.items())
+            i = freeze_step([v for _, v in points], tau)
+            return None if i is None else points[i][0]
+
+        return {"overall": step_of(rec.overall, curves["overall"]),
+                "by_tensor": {n: step_of(rec.by_tensor[n], curves[n]) for n in self.tracked}}
+
+    def groups(self) -> Dict[str, List[str]]:
+        """Tensors by kind: ``"vectors"`` (biases, norm gains: one dimension), ``"embeddings"``
+        (an ``nn.Embedding``'s weight, or a name with ``emb``, ``wte`` or ``wpe``) and
+        ``"matrices"`` (the other tensors with 2 or more dimensions)."""
+        out: Dict[str, List[str]] = {}
+        for n in self.tracked:
+            p = self._params[n]
+            kind = "vectors" if p.dim() < 2 else "embeddings" if any(
+                k in n for k in ("emb", "wte", "wpe")) else "matrices"
+            out.setdefault(kind, []).append(n)
+        return out
+
+    def diagnoses(self) -> List[Diagnosis]:
+        """What cannot move, and why, each with its numbers and the remedy the book measures."""
+        out: List[Diagnosis] = []
+        if not self.steps:
+            return out
+        k = min(self.patience, len(self.steps))
+        for f in self.formats:
+            rec = self.records[f]
+            for n in self.tracked:
+                held, with_grad = rec.by_tensor[n], [1 - x for x in self.idle[n]]
+                if len(self.steps) < self.patience or min(held[-k:]) < _LOCKED or max(with_grad[-k:]) <= 0.01:
+                    continue
+                always = min(held) >= _LOCKED          # held since the first watched step
+                span = len(held) if always else k
+                if self.mode == "predict" and always:
+                    d, half, lr = self._medians[(n, f)]
+                    out.append(Diagnosis("cannot_move", n, (
+                        f"{n} ({self.sizes[n]:,} elements) cannot move in {f}: on every one of the {span} watched steps "
+                        f"at least {min(held):.1%} of its updates were below half the gap of its stored values (last "
+                        f"step: median update {d:.2e} at lr {lr:.2e}, median half gap {half:.2e}), while its gradient "
+                        f"is not zero. Remedy: keep it in float32 (master weights), or use stochastic rounding."),
+                        {"format": f, "frozen": min(held), "steps": span, "median_update": d, "median_half_gap": half,
+                         "lr": lr, "with_gradient": min(with_grad)}))
+                    continue
+                verb = "would have been" if self.mode == "predict" else "has been"
+                out.append(Diagnosis("frozen", n, (
+                    f"{n} ({self.sizes[n]:,} elements) {verb} frozen in {f} for the last {span} watched steps: at least "
+                    f"{min(held[-k:]):.1%} of it unchanged by every step, although {min(with_grad[-k:]):.0%} or more of "
+                    f"its elements had a nonzero gradient. Remedy: float32 master weights, or stochastic rounding."),
+                    {"format": f, "frozen": min(held[-k:]), "steps": span, "since_start": always,
+                     "with_gradient": min(with_grad[-k:])}))
+        out += self._weight_decay() + self._state_decay() + self._counters() + self._idle()
+        return out
+
+    def _stored_formats(self) -> List[FloatFormat]:
+        return list(dict.fromkeys(self._formats.values())) if self.mode == "observe" else self.formats_given
+
+    def _weight_decay(self) -> List[Diagnosis]:
+        out = []
+        for gi, group in enumerate(self.optimizer.param_groups):
+            wd = float(group.get("weight_decay", 0.0) or 0.0)
+            decoupled = isinstance(_inner(getattr(self.optimizer, "optimizer", self.optimizer)), torch.optim.AdamW) \
+                or bool(group.get("decoupled_weight_decay", False))
+            if wd <= 0 or not decoupled:
+                continue
+            lr = max(lrs[gi] for lrs in self.lrs)
+            names = [n for n in self.tracked if self._group[n] == gi]
+            for fmt in self._stored_formats():
+                m = fmt.man_bits
+                upper, lower = 2.0 ** -(m + 1), 2.0 ** -(m + 2)
+                if lr * wd >= upper or not names:
+                    continue
+                where = "on no weight" if lr * wd < lower else "only on weights in the upper part of their binade"
+                out.append(Diagnosis("weight_decay", None, (
+                    f"weight decay cannot act in {fmt.name} ({where}): lr * weight_decay = {lr * wd:.2e} at the largest "
+                    f"learning rate so far, below half the relative gap 2^-{m + 1} = {upper:.2e} (2^-{m + 2} = "
+                    f"{lower:.2e} at a power of two, where the gap below is half as wide), so w (1 - lr wd) rounds back to w; it works only "
+                    f"through the gradient step it is added to. Remedy: float32 master weights, or stochastic "
+                    f"rounding. Param group {gi}, {len(names)} tensors."),
+                    {"format": fmt.name, "group": gi, "lr": lr, "weight_decay": wd, "product": lr * wd,
+                     "half_relative_gap": upper, "at_power_of_two": lower}))
+        return out
+
+    def _state_decay(self) -> List[Diagnosis]:
+        out, seen = [], set()
+        for n in self.tracked:
+            p = self._params[n]
+            group = self.optimizer.param_groups[self._group[n]]
+            betas = group.get("betas", (None, None))
+            rates = {"exp_avg": betas[0], "exp_avg_sq": betas[1], "momentum_buffer": group.get("momentum")}
+            for key, value in self.optimizer.state.get(p, {}).items():
+                beta = rates.get(key)
+                if not torch.is_tensor(value) or value.dim() == 0 or not beta:
+                    continue
+                name = format_of_dtype(value.dtype)
+                if isinstance(self.optimizer, LowPrecisionOptimizer) and self.optimizer.state_format is not None:
+                    name = self.optimizer.state_format.name
+                if name is None:
+                    continue
+                m = get_format(name).man_bits
+                if 1 - beta < 2.0 ** -(m + 1) and (key, name) not in seen:
+                    seen.add((key, name))
+                    tensors = [t for t in self.tracked if key in self.optimizer.state.get(self._params[t], {})]
+                    out.append(Diagnosis("state_decay", None, (
+                        f"the optimizer state {key!r} is stored in {name}, and its moving average cannot decay: "
+                        f"1 - beta = {1 - beta:.3g} is below half the relative gap 2^-{m + 1} = {2.0 ** -(m + 1):.2e}, so "
+                        f"beta * v rounds back to v once the new input is small. Remedy: keep the optimizer state in "
+                        f"float32, use stochastic rounding for it, or a smaller beta. {len(tensors)} tensors."),
+                        {"state": key, "format": name, "beta": beta, "one_minus_beta": 1 - beta,
+                         "half_relative_gap": 2.0 ** -(m + 1), "tensors": len(tensors)}))
+        return out
+
+    def _counters(self) -> List[Diagnosis]:
+        out, seen = [], set()
+        for (n, key), value in self._state_values.items():
+            state = self.optimizer.state.get(self._params[n], {}).get(key)
+            if state is None:
+                continue
+            name = format_of_dtype(state.dtype) or {torch.float32: "fp32", torch.float64: "fp64"}.get(state.dtype)
+            if name is None or (key, name) in seen:
+                continue
+            stop = 2.0 ** (get_format(name).man_bits + 1)     # v + 1 rounds back to v from here on
+            stuck = self._stuck_counters.get((n, key), 0)
+            reaches = self.total_steps is not None and self.total_steps > stop
+            if stuck or reaches:
+                seen.add((key, name))
+                out.append(Diagnosis("counter", n, (
+                    f"the counter {key!r} of the optimizer state is stored in {name}, where counting by one stops at "
+                    f"{stop:,.0f} (v + 1 rounds back to v); " + (
+                        f"it stood still on {stuck} steps already. " if stuck else
+                        f"this run has {self.total_steps:,} steps. ") +
+                    "Adam's bias correction then uses a wrong step. Remedy: keep counters as integers or in float32."),
+                    {"state": key, "format": name, "stops_at": stop, "stuck_steps": stuck, "value": value}))
+        return out
+
+    def _idle(self) -> List[Diagnosis]:
+        out = []
+        for n in self.tracked:
+            if self.idle[n] and min(self.idle[n]) >= 1.0:
+                out.append(Diagnosis("idle", n, (
+                    f"{n} ({self.sizes[n]:,} elements) got no gradient on any of the {len(self.steps)} watched steps: it "
+                    f"is idle, not frozen (is it used in the forward pass, or detached?)."),
+                    {"watched_steps": len(self.steps), "elements": self.sizes[n]}))
+            elif n in self._rows_seen:
+                rows = self._rows_seen[n]
+                never = int((~rows).sum())
+                if never:
+                    out.append(Diagnosis("idle", n, (
+                        f"{never} of the {rows.numel()} rows of {n} got no gradient on any watched step (for an "
+                        f"embedding: tokens that never occur); they are idle, not frozen."),
+                        {"rows": rows.numel(), "idle_rows": never, "watched_steps": len(self.steps)}))
+        return out
+
+    # ---- report --------------------------------------------------------------------------------
+
+    def to_dict(self, fmt=None) -> dict:
+        """The report as JSON-ready data: settings, steps and learning rates, the records, idle
+        fractions, the table, the forecast curves (prediction mode with a known run length) and
+        the diagnoses."""
+        forecasts, curves = {}, {}
+        if self.mode == "predict" and self.steps and self.total_steps:
+            for f in self.formats:
+                forecasts[f] = self.forecast(f)
+                curves[f] = {n: {str(s): v for s, v in c.items()} for n, c in self.forecast_curves(f).items()}
+        return {"kind": "lowprec_demo.watch", "mode": self.mode, "formats": self.formats, "threshold": self.threshold,
+                "every": self.every, "total_steps": self.total_steps, "steps": self.steps, "lrs": self.lrs,
+                "sizes": {n: self.sizes[n] for n in self.tracked}, "groups": self.groups(),
+                "records": {f: r.to_dict() for f, r in self.records.items()}, "idle": self.idle,
+                "frozen_since": {f: self.frozen_since(f) for f in self.formats},
+                "forecast": forecasts, "forecast_curves": curves,
+                "diagnoses": [asdict(d) for d in self.diagnoses()]}
+
+    def save(self, path) -> None:
+        """Write :meth:`to_dict` to ``path`` as JSON, atomically (a crash leaves the last saved
+        report as it was)."""
+        atomic_write_json(path, _jsonable(self.to_dict()))
+
+    def summary(self, fmt=None, show: bool = True) -> str:
+        """The table (tensor, size, format, frozen now, frozen since, forecast, diagnosis),
+        printed unless ``show=False``, and returned."""
+        return WatchReport(_jsonable(self.to_dict())).summary(fmt, show=show)
+
+    def plot(self, fmt=None, ax=None):
+        """The frozen fraction of each group of tensors over the watched steps, the forecast
+        dashed to the end of the run (prediction mode)."""
+        return WatchReport(_jsonable(self.to_dict())).plot(fmt, ax=ax)
+
+
+def _fraction_below(cum: List[float], cutoff: float) -> float:
+    """The fraction of a histogram over :data:`_EDGES` below ``cutoff``, linear within a bin."""
+    width = 1 / 8
+    pos = (cutoff - float(_EDGES[0])) / width        # bin i + 1 spans edges i .. i + 1
+    if pos < 0:
+        return cum[0]
+    i = int(pos)
+    if i >= len(_EDGES) - 1:     # beyond the last edge: only the elements up to it
+        return cum[len(_EDGES) - 1]
+    lo, hi = cum[i], cum[i + 1]
+    return lo + (hi - lo) * (pos - i)
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if torch.is_tensor(x):
+        return x.tolist()
+    if isinstance(x, float) and not math.isfinite(x):
+        return None if math.isnan(x) else x
+    return x
+
+
+class WatchReport:
+    """A saved watch (:meth:`FreezeWatch.to_dict`), with the same table and figure. Made by
+    :func:`load_watch` and by ``python -m lowprec_demo report PATH``."""
+
+    def __init__(self, data: dict) -> None:
+        if data.get("kind") != "lowprec_demo.watch":
+            raise ValueError("not a freeze-watch report (its 'kind' is not 'lowprec_demo.watch')")
+        self.data = data
+
+    def _fmt(self, fmt) -> str:
+        formats = self.data["formats"]
+        name = formats[0] if fmt is None else get_format(fmt).name
+        if name not in formats:
+            raise KeyError(f"no record for {name}; this report holds: {', '.join(formats)}")
+        return name
+
+    def rows(self, fmt=None) -> List[dict]:
+        """One row per tensor, the whole model first."""
+        f = self._fmt(fmt)
+        d = self.data
+        rec = d["records"][f]
+        since, forecast = d["frozen_since"][f], d["forecast"].get(f)
+        kinds: Dict[Optional[str], List[str]] = {}
+        for diag in d["diagnoses"]:
+            if diag["numbers"].get("format", f) == f or diag["kind"] in ("idle", "counter"):
+                kinds.setdefault(diag["tensor"], []).append(diag["kind"])
+        out = [{"tensor": "(all)", "size": sum(d["sizes"].values()), "format": f,
+                "frozen_now": rec["overall"][-1] if rec["overall"] else None, "frozen_since": since.get("overall"),
+                "forecast": None if forecast is None else forecast["overall"],
+                "diagnosis": ", ".join(sorted(set(kinds.get(None, []))))}]
+        for n, size in d["sizes"].items():
+            values = rec["by_tensor"].get(n, [])
+            out.append({"tensor": n, "size": size, "format": f, "frozen_now": values[-1] if values else None,
+                        "frozen_since": since.get(n), "forecast": None if forecast is None else forecast["by_tensor"].get(n),
+                        "diagnosis": ", ".join(sorted(set(kinds.get(n, []))))})
+        return out
+
+    def summary(self, fmt=None, show: bool = True) -> str:
+        rows = self.rows(fmt)
+        d = self.data
+        head = (f"freeze watch ({d['mode']}, {rows[0]['format']}): {len(d['steps'])} watched steps"
+                + (f" of {d['total_steps']}" if d.get("total_steps") else "")
+                + f", threshold {d['threshold']:g}; 'since' and 'forecast': the step from which the tensor stays "
+                  f"at or above it")
+        width = max(len(r["tensor"]) for r in rows)
+        lines = [head, f"{'tensor':<{width}}  {'size':>11}  {'format':>6}  {'frozen now':>10}  {'since':>6}  "
+                       f"{'forecast':>8}  diagnosis"]
+
+        def step(x):
+            return "-" if x is None else str(x)
+
+        for r in rows:
+            now = "-" if r["frozen_now"] is None else f"{r['frozen_now']:.3f}"
+            lines.append(f"{r['tensor']:<{width}}  {r['size']:>11,}  {r['format']:>6}  {now:>10}  "
+                         f"{step(r['frozen_since']):>6}  {step(r['forecast']) if d['mode'] == 'predict' else 'n/a':>8}  "
+                         f"{r['diagnosis']}")
+        if d["diagnoses"]:
+            lines.append("")
+            lines += [f"[{x['kind']}] {x['message']}" for x in d["diagnoses"]]
+        text = "\n".join(lines)
+        if show:
+            print(text)
+        return text
+
+    def plot(self, fmt=None, ax=None):
+        import matplotlib.pyplot as plt
+
+        f = self._fmt(fmt)
+        d = self.data
+        rec, sizes = d["records"][f], d["sizes"]
+        if ax is None:
+            _, ax = plt.subplots(figsize=(8, 4))
+        curves = d["forecast_curves"].get(f, {})
+        groups = {"all": list(sizes), **d["groups"]}
+        for i, (group, members) in enumerate(groups.items()):
+            total = sum(sizes[n] for n in members)
+            past = [sum(rec["by_tensor"][n][t] * sizes[n] for n in members) / total for t in range(len(d["steps"]))]
+            color = "k" if group == "all" else f"C{i}"
+            ax.plot(d["steps"], past, color=color, lw=2 if group == "all" else 1.3,
+                    label=f"{group} ({total:,} elements)")
+            if curves:
+                ahead = sorted(int(s) for s in curves["overall"])
+                if ahead:
+                    fut = [sum(curves[n][str(s)] * sizes[n] for n in members) / total for s in ahead]
+                    ax.plot(ahead, fut, color=color, lw=1.3, ls="--")
+        ax.axhline(d["threshold"], color="0.6", lw=0.8, ls=":")
+        if d.get("total_steps"):
+            ax.set_xlim(0, d["total_steps"])
+        ax.set_ylim(-0.02, 1.02)
+        ax.set_xlabel("step")
+        ax.set_ylabel(f"fraction frozen ({'predicted' if d['mode'] == 'predict' else 'observed'})")
+        ax.set_title(f"freeze watch, {f}" + (" (dashed: forecast)" if curves else ""), fontsize=10)
+        ax.legend(frameon=False, fontsize=8)
+        return ax
+
+
+def load_watch(path) -> WatchReport:
+    """A saved watch report (``watch.save(path)``), with ``summary()`` and ``plot()``."""
+    import json
+
+    with open(path) as f:
+        return WatchReport(json.load(f))
+
+
+def watch(model: torch.nn.Module, optimizer, formats: Sequence = ("bf16",), scheduler=None, every: int = 1,
+          threshold: float = 0.5, total_steps: Optional[int] = None, patience: int = 10, path=None,
+          save_every: int = 100, writer=None, progress: bool = False) -> FreezeWatch:
+    """Watch a training run for weights that cannot move; returns a :class:`FreezeWatch`.
+
+    Args:
+        model: the model whose parameters the optimizer trains.
+        optimizer: any ``torch.optim`` optimizer, a LowPrecisionOptimizer, or a wrapper holding one
+            as ``.optimizer``.
+        formats: the formats to predict for float32 parameters (names such as ``"bf16"``,
+            ``"fp16"``, ``"e4m3"``, ``"e8m5"``); parameters stored in a low-precision dtype are
+            observed in their own format instead.
+        scheduler: the learning-rate schedule, for the forecast: a ``torch.optim.lr_scheduler``
+            scheduler, a callable step -> lr, the list of learning rates, or None (constant).
+        every: watch one optimizer step in ``every``.
+        threshold: the frozen fraction that defines a freeze step, in (0, 1].
+        total_steps: the run's length (for the forecast), when the schedule does not say it.
+        patience: watched steps a tensor must stay held before it is diagnosed.
+        path: save the report there every ``save_every`` watched steps and on ``detach()``.
+        writer: a TensorBoard ``SummaryWriter``: frozen fractions written as scalars.
+        progress: a progress bar with the frozen fraction (needs ``total_steps``).
+    """
+    return FreezeWatch(model, optimizer, formats, scheduler, every, threshold, total_steps, patience, path,
+                       save_every, writer, progress)

@@ -1,0 +1,405 @@
+"""The freeze watch (``lowprec_demo.watch``): prediction bit for bit as the FreezePredictor's,
+observation, the forecast against what happens, every diagnosis, bad input, the saved report and
+its command, and the trainers' callbacks with the real packages (skipped, with the package named,
+when one is missing)."""
+
+import json
+import math
+
+import pytest
+import torch
+
+import lowprec_demo as lp
+from lowprec_demo.cli import main
+from lowprec_demo.watch import DIAGNOSIS_KINDS, FreezeWatch, format_of_dtype, load_watch
+
+
+def tiny_model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Embedding(20, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 20))
+
+
+def batches(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 12, (16,), generator=g) for _ in range(n)]   # tokens 12..19 never occur
+
+
+def train(model, opt, steps, sched=None, seed=0, each=None):
+    for t, x in enumerate(batches(steps, seed)):
+        loss = torch.nn.functional.cross_entropy(model(x).float(), (x + 1) % 12)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if sched is not None:
+            sched.step()
+        if each is not None:
+            each(t)
+
+
+def test_prediction_is_the_predictors_bit_for_bit():
+    model = tiny_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    w = lp.watch(model, opt, formats=("bf16", "e8m4"))
+    predictor = lp.FreezePredictor(model, formats=("bf16", "e8m4"))
+    opt.register_step_pre_hook(lambda *a: predictor.before_step())
+    opt.register_step_post_hook(lambda *a: predictor.after_step())
+    train(model, opt, 12)
+    assert w.mode == "predict" and w.steps == list(range(12))
+    for f in ("bf16", "e8m4"):
+        ours, theirs = w.record(f), predictor.record(f)
+        assert ours.overall == theirs.overall and ours.by_tensor == theirs.by_tensor
+        assert ours.move_fraction == pytest.approx(theirs.move_fraction, rel=1e-6)
+    assert 0 < w.record("bf16").overall[-1] < 1
+
+
+def test_every_k_watches_one_step_in_k():
+    model = tiny_model()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    w = lp.watch(model, opt, every=3)
+    train(model, opt, 10)
+    assert w.steps == [0, 3, 6, 9] and len(w.record().overall) == 4
+
+
+def test_observation_of_bf16_parameters_frozen_and_idle():
+    p = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    model = torch.nn.Module()
+    model.p = p
+    opt = torch.optim.SGD([p], lr=1.0)
+    w = lp.watch(model, opt)
+    assert w.mode == "observe" and w.formats == ["bf16"]
+    p.grad = torch.tensor([1e-4, 0.0, 0.5, 0.0], dtype=torch.bfloat16)   # frozen, idle, moves, idle
+    opt.step()
+    assert w.record("bf16").overall == [0.75]               # three of four bit for bit the same
+    assert w.frozen_with_grad["p"] == [0.25] and w.idle["p"] == [0.5]
+
+
+def test_observation_through_a_low_precision_optimizer_is_the_observers():
+    model = tiny_model()
+    opt = lp.LowPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-3), "bf16")
+    opt.round_params()
+    w = lp.watch(model, opt)
+    observer = lp.FreezeObserver(model, "bf16")
+    opt.register_step_pre_hook(lambda *a: observer.before_step())
+    opt.register_step_post_hook(lambda *a: observer.after_step())
+    train(model, opt, 8)
+    assert w.mode == "observe"
+    assert w.record("bf16").overall == observer.record().overall
+    assert w.record("bf16").by_tensor == observer.record().by_tensor
+
+
+def constant_gradient_run(steps, lrs, forecast_at, scheduler_kind="list"):
+    """SGD on a loss whose gradient is a fixed g: the update is lr_t * g, weights in [1, 2) keep
+    their bf16 gap 2^-7, and an element freezes exactly when lr_t |g| < 2^-8."""
+    g = torch.linspace(0.05, 1.0, 400)
+    w0 = torch.full((400,), 1.5)
+    p = torch.nn.Parameter(w0.clone())
+    model = torch.nn.Module()
+    model.p = p
+    opt = torch.optim.SGD([p], lr=lrs[0])
+    if scheduler_kind == "list":
+        sched, schedule = None, list(lrs)
+    elif scheduler_kind == "callable":
+        sched, schedule = None, (lambda s: lrs[s])
+    else:
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lrs[min(s, steps - 1)] / lrs[0])
+        schedule = sched
+    w = lp.watch(model, opt, scheduler=schedule, total_steps=steps, threshold=0.5)
+    made = {}
+    for t in range(steps):
+        for group in opt.param_groups:
+            if sched is None:
+                group["lr"] = lrs[t]
+        p.grad = g.clone()
+        opt.step()
+        if sched is not None:
+            sched.step()
+        if t + 1 == forecast_at:
+            made = w.forecast("bf16")
+    return w, made, g
+
+
+@pytest.mark.parametrize("kind", ["list", "callable", "scheduler"])
+def test_forecast_made_early_is_the_step_that_comes(kind):
+    steps = 60
+    lrs = [0.02 * (1 - t / steps) + 1e-4 for t in range(steps)]    # a linear decay
+    w, made, g = constant_gradient_run(steps, lrs, forecast_at=15, scheduler_kind=kind)
+    actual = w.frozen_since("bf16", 0.5)["overall"]
+    # by the rule: half the elements have |g| below the median, frozen once lr_t < 2^-8 / median |g|
+    expected = next(t for t in range(steps) if (torch.tensor(lrs[t]) * g < 2.0**-8).float().mean() >= 0.5)
+    assert actual == expected and 15 < actual < steps - 5        # not a trivial case: inside the run
+    assert abs(made["overall"] - actual) <= 1
+    assert set(made["by_tensor"]) == {"p"}
+
+
+def test_forecast_refuses_what_it_cannot_know():
+    model = tiny_model()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    w = lp.watch(model, opt)
+    with pytest.raises(ValueError, match="nothing watched yet"):
+        w.forecast()
+    train(model, opt, 2)
+    with pytest.raises(ValueError, match="total_steps"):
+        w.forecast()
+    assert w.forecast(total_steps=10)["overall"] is None or isinstance(w.forecast(total_steps=10)["overall"], int)
+    observed = torch.nn.Linear(2, 2).to(torch.bfloat16)
+    wo = lp.watch(observed, torch.optim.SGD(observed.parameters(), lr=1e-2), total_steps=5)
+    observed(torch.ones(1, 2, dtype=torch.bfloat16)).sum().backward()
+    wo.optimizer.step()
+    with pytest.raises(ValueError, match="prediction mode"):
+        wo.forecast()
+
+
+def kinds(w):
+    return {(d.kind, d.tensor) for d in w.diagnoses()}
+
+
+def test_diagnoses_cannot_move_weight_decay_and_idle_rows():
+    model = tiny_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    w = lp.watch(model, opt)
+    train(model, opt, 15)
+    found = kinds(w)
+    assert ("cannot_move", "1.weight") in found                 # the LayerNorm gain at 1
+    assert ("weight_decay", None) in found                      # 1e-4 < 2^-9
+    assert ("idle", "0.weight") in found                        # embedding rows of tokens 12..19
+    idle = next(d for d in w.diagnoses() if d.kind == "idle")
+    assert idle.numbers["idle_rows"] == 8 and idle.numbers["rows"] == 20
+    assert all(d.kind in DIAGNOSIS_KINDS and d.message for d in w.diagnoses())
+    wd = next(d for d in w.diagnoses() if d.kind == "weight_decay")
+    assert wd.numbers["product"] == pytest.approx(1e-4) and wd.numbers["half_relative_gap"] == 2.0**-8
+    # the same decay, one the format can carry: no diagnosis
+    model2 = tiny_model()
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-1, weight_decay=0.1)
+    w2 = lp.watch(model2, opt2)
+    train(model2, opt2, 3)
+    assert ("weight_decay", None) not in kinds(w2)
+    # coupled (L2) weight decay goes through the gradient: not this diagnosis
+    model3 = tiny_model()
+    opt3 = torch.optim.SGD(model3.parameters(), lr=1e-3, weight_decay=0.1)
+    w3 = lp.watch(model3, opt3)
+    train(model3, opt3, 3)
+    assert ("weight_decay", None) not in kinds(w3)
+
+
+def test_weight_decay_alone_is_what_the_diagnosis_says():
+    # at lr * wd = 1e-4 the decay step w (1 - lr wd) rounds back to w in bf16, for every weight
+    w = lp.quantize(torch.randn(10000) * 0.05, "bf16")
+    assert torch.equal(lp.quantize(w * (1 - 1e-4), "bf16"), w)
+    assert not torch.equal(lp.quantize(w * (1 - 2.0**-8), "bf16"), w)
+
+
+def test_diagnoses_of_a_bf16_model_frozen_and_state_decay():
+    model = tiny_model().to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)          # torch's betas: (0.9, 0.999)
+    w = lp.watch(model, opt, patience=5)
+    train(model, opt, 8)
+    found = kinds(w)
+    assert ("frozen", "1.weight") in found
+    state = [d for d in w.diagnoses() if d.kind == "state_decay"]
+    assert [d.numbers["state"] for d in state] == ["exp_avg_sq"] and state[0].numbers["one_minus_beta"] == pytest.approx(0.001)
+    model2 = tiny_model().to(torch.bfloat16)
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-3, betas=(0.9, 0.99))   # 1 - beta2 = 0.01 > 2^-8
+    w2 = lp.watch(model2, opt2, patience=5)
+    train(model2, opt2, 3)
+    assert not [d for d in w2.diagnoses() if d.kind == "state_decay"]
+
+
+class CountingSGD(torch.optim.SGD):
+    """SGD that counts its steps in a bf16 tensor, as a model cast to bf16 with its state might."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        super().step(closure)
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                state["step"] = state.get("step", torch.zeros((), dtype=torch.bfloat16)) + 1
+
+
+def test_diagnosis_counter_that_stops_at_256():
+    p = torch.nn.Parameter(torch.zeros(3))
+    model = torch.nn.Module()
+    model.p = p
+    opt = CountingSGD([p], lr=0.1)
+    w = lp.watch(model, opt, every=50)
+    for _ in range(300):
+        p.grad = torch.ones(3)
+        opt.step()
+    assert float(opt.state[p]["step"]) == 256.0                  # bf16: 256 + 1 rounds back to 256
+    counter = [d for d in w.diagnoses() if d.kind == "counter"]
+    assert counter and counter[0].numbers["stops_at"] == 256 and counter[0].numbers["stuck_steps"] > 0
+    # a float32 counter over a short run: nothing to say
+    model2 = tiny_model()
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-3)
+    w2 = lp.watch(model2, opt2, total_steps=1000)
+    train(model2, opt2, 3)
+    assert not [d for d in w2.diagnoses() if d.kind == "counter"]
+
+
+def test_a_parameter_that_gets_no_gradient_is_idle():
+    model = tiny_model()
+    model.unused = torch.nn.Parameter(torch.ones(5))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    w = lp.watch(model, opt)
+    train(model, opt, 3)
+    assert ("idle", "unused") in kinds(w)
+
+
+def test_bad_input_names_what_is_allowed():
+    model = tiny_model()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with pytest.raises(ValueError, match="valid"):
+        lp.watch(model, opt, formats=("bf17",))
+    with pytest.raises(ValueError, match="not one of the model's"):
+        lp.watch(model, torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=1e-2))
+    with pytest.raises(ValueError, match="every"):
+        lp.watch(model, opt, every=0)
+    for bad in (0, 1.5, -0.1):
+        with pytest.raises(ValueError, match=r"threshold must be in \(0, 1\]"):
+            lp.watch(model, opt, threshold=bad)
+    with pytest.raises(ValueError, match="ReduceLROnPlateau"):
+        lp.watch(model, opt, scheduler=torch.optim.lr_scheduler.ReduceLROnPlateau(opt))
+    with pytest.raises(ValueError, match="no learning-rate schedule"):
+        lp.watch(model, opt, scheduler="cosine")
+    with pytest.raises(TypeError, match="optimizer"):
+        lp.watch(model, "adam")
+    counts = torch.nn.Module()
+    counts.n = torch.nn.Parameter(torch.zeros(3, dtype=torch.int64), requires_grad=False)
+    with pytest.raises(ValueError, match="floating-point"):
+        lp.watch(counts, torch.optim.SGD([counts.n], lr=1e-2))
+
+
+def test_detach_and_context_manager_remove_the_hooks():
+    model = tiny_model()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with lp.watch(model, opt) as w:
+        train(model, opt, 2)
+    train(model, opt, 2)
+    assert w.steps == [0, 1]
+    assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
+
+
+def test_saved_report_survives_a_crash_and_prints_again(tmp_path, capsys):
+    path = tmp_path / "watch.json"
+    model = tiny_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    w = lp.watch(model, opt, total_steps=20, path=path, save_every=2)
+
+    def crash(t):
+        if t == 6:
+            raise RuntimeError("out of memory")
+
+    with pytest.raises(RuntimeError):
+        train(model, opt, 20, each=crash)
+    saved = load_watch(path)                 # the last report written before the crash, whole
+    assert saved.data["steps"] == list(range(6))
+    assert not list(tmp_path.glob(".*tmp"))
+    table = saved.summary(show=False)
+    assert "weight_decay" in table and "1.weight" in table
+    assert main(["report", str(path), "--plot", str(tmp_path / "w.png")]) == 0
+    out = capsys.readouterr().out
+    assert "freeze watch (predict, bf16)" in out and (tmp_path / "w.png").stat().st_size > 1000
+    assert main(["report", str(tmp_path / "missing.json")]) == 2
+    (tmp_path / "other.json").write_text(json.dumps({"experiment": "x"}))
+    assert main(["report", str(tmp_path / "other.json")]) == 2
+    assert main(["report", str(path), "--format", "e4m3"]) == 2
+
+
+def test_summary_rows_and_plot():
+    model = tiny_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    steps = 30
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
+    w = lp.watch(model, opt, formats=("bf16", "e8m4"), scheduler=sched)
+    assert w.total_steps == steps + 1
+    train(model, opt, 10, sched=sched)
+    text = w.summary(show=False)
+    assert text.splitlines()[2].startswith("(all)") and "e8m4" not in text.splitlines()[2]
+    assert "e8m4" in w.summary("e8m4", show=False).splitlines()[2]
+    ax = w.plot()
+    assert len(ax.lines) >= 2 * (1 + len(w.groups()))       # measured and forecast, per group
+    d = w.to_dict()
+    assert set(d["forecast_curves"]["bf16"]["overall"]) == {str(s) for s in range(10, steps + 1)}
+
+
+def test_dtype_formats():
+    assert format_of_dtype(torch.bfloat16) == "bf16" and format_of_dtype(torch.float16) == "fp16"
+    assert format_of_dtype(torch.float32) is None
+    if hasattr(torch, "float8_e4m3fn"):
+        assert format_of_dtype(torch.float8_e4m3fn) == "e4m3"
+
+
+def test_tensorboard_scalars(tmp_path):
+    pytest.importorskip("tensorboard", reason="tensorboard is not installed: pip install tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+    writer = SummaryWriter(str(tmp_path))
+    model = tiny_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    w = lp.watch(model, opt, writer=writer)
+    train(model, opt, 4)
+    writer.close()
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    scalars = events.Scalars("freeze/bf16/frozen")
+    assert [s.step for s in scalars] == [0, 1, 2, 3]
+    assert [s.value for s in scalars] == pytest.approx(w.record("bf16").overall)
+    assert "freeze/bf16/vectors" in events.Tags()["scalars"]
+
+
+def test_hugging_face_trainer_callback(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed: pip install transformers")
+    from lowprec_demo.integrations import hf_callback
+    config = transformers.GPT2Config(vocab_size=40, n_positions=16, n_embd=16, n_layer=1, n_head=2, bos_token_id=0,
+                                     eos_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 40, (24, 16))]
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=6, per_device_train_batch_size=4,
+                                          learning_rate=1e-3, lr_scheduler_type="cosine", logging_steps=3,
+                                          report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True)
+    callback = hf_callback(formats=("bf16",))
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[callback])
+    trainer.train()
+    w = callback.watch
+    assert w.steps == list(range(6)) and w.total_steps == 6
+    assert {n for n in w.tracked} == {n for n, p in model.named_parameters() if p.requires_grad}
+    assert "'frozen_bf16'" in capsys.readouterr().out      # in the logs the Trainer prints and reports
+    saved = load_watch(tmp_path / "freeze_watch.json")
+    assert saved.data["steps"] == list(range(6))
+    # the scheduler's learning rates reached the watch: a cosine falls
+    assert w.lrs[-1][0] < w.lrs[1][0]
+
+
+def test_lightning_callback(tmp_path):
+    try:
+        import lightning.pytorch as pl
+    except ImportError:
+        pl = pytest.importorskip("pytorch_lightning", reason="Lightning is not installed: pip install pytorch-lightning")
+    from lowprec_demo.integrations import lightning_callback
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = tiny_model()
+
+        def training_step(self, batch, batch_idx):
+            (x,) = batch
+            return torch.nn.functional.cross_entropy(self.net(x), (x + 1) % 12)
+
+        def configure_optimizers(self):
+            opt = torch.optim.AdamW(self.parameters(), lr=1e-3)
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 - s / 8)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randint(0, 12, (64,))), batch_size=8)
+    callback = lightning_callback(path=tmp_path / "watch.json")
+    trainer = pl.Trainer(max_steps=8, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[callback])
+    trainer.fit(Module(), data)
+    w = callback.watch
+    assert w.steps == list(range(8)) and w.total_steps == 8
+    assert any(n.startswith("net.") for n in w.tracked)
+    assert load_watch(tmp_path / "watch.json").data["steps"] == list(range(8))
+    assert w.lrs[-1][0] < w.lrs[0][0]
+    assert math.isfinite(w.record("bf16").overall[-1])
