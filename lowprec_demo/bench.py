@@ -11,8 +11,9 @@ Measures in one run, side by side, and prints tables with ratios:
   requirements), with the number of elements whose result differs from the exact one;
 * one training step of the quick nanoGPT and of GPT-2 124M (the experiments' quick settings:
   AdamW, random tokens) with the plain optimizer, with ``LowPrecisionOptimizer`` (nearest,
-  stochastic), with freeze observation on, and the plain step with freeze prediction on: the
-  ratios to the plain step and the peak memory of each;
+  stochastic), with freeze observation on, the plain step with freeze prediction on, and the plain
+  step with the freeze watch on (``lowprec_demo.watch``, every step, bf16): the ratios to the
+  plain step and the peak memory of each;
 * how the costs grow: ``quantize`` against tensor size, and the tracked step against model size;
 * the one-time cost of compiling the fused kernels.
 
@@ -51,6 +52,7 @@ from .formats import get_format
 from .models import GPT, gpt_config
 from .optimizer import LowPrecisionOptimizer
 from .prediction import FreezeObserver, FreezePredictor
+from .watch import watch
 from .rounding import quantize
 from .results import atomic_write_json, provenance
 
@@ -70,7 +72,7 @@ MODELS = {
     "gpt2": dict(config=dict(name="gpt2"), batch=4, context=64, format="e4m3", params="matrices", lr=6e-4,
                  betas=(0.9, 0.95)),
 }
-VARIANTS = ("plain", "nearest", "stochastic", "nearest+observer", "plain+predictor")
+VARIANTS = ("plain", "nearest", "stochastic", "nearest+observer", "plain+predictor", "plain+watch")
 STEP_SECONDS = 0.25   # a training step shorter than this is timed over several steps in a row
 
 
@@ -308,19 +310,22 @@ def bench_training(model_name: str, device: str, repeats: int, variants=VARIANTS
     setups = {"plain": (inner, None), "nearest": (lpo("nearest"), None), "stochastic": (lpo("stochastic"), None),
               "nearest+observer": (lpo("nearest"), FreezeObserver(lowprec, fmt)),
               "plain+predictor": (inner, FreezePredictor(lowprec, [fmt]))}
+    if "plain+watch" in variants:   # an AdamW of its own: the watch's hooks are on it alone
+        watched = torch.optim.AdamW(_decay_groups(model), lr=spec["lr"], betas=spec["betas"], foreach=False)
+        setups["plain+watch"] = (watched, watch(model, watched, formats=("bf16",)))
 
-    def step_of(opt, tracker):
+    def step_of(opt, tracker, hooked=False):
         def step():
             loss = model(x, y)[1]
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            if tracker is not None:
+            if tracker is not None and not hooked:
                 tracker.before_step()
             opt.step()
-            if tracker is not None:
+            if tracker is not None and not hooked:
                 tracker.after_step()
         return step
-    cases = {v: step_of(*setups[v]) for v in variants}
+    cases = {v: step_of(*setups[v], hooked=v == "plain+watch") for v in variants}
     rounds: Dict[str, List[float]] = {}
     times = _rounds(cases, device, repeats, min_seconds=STEP_SECONDS, per_round=rounds)
     # the added work alone (no forward, backward or AdamW around it): less noisy than a
@@ -331,6 +336,7 @@ def bench_training(model_name: str, device: str, repeats: int, variants=VARIANTS
     # time of those two copies is measured alone and taken off.
     lp_n, lp_s = setups["nearest"][0], setups["stochastic"][0]
     observer, predictor = setups["nearest+observer"][1], setups["plain+predictor"][1]
+    watcher = setups["plain+watch"][1] if "plain+watch" in variants else None
     tracked = list(lowprec.values())
     with torch.no_grad():
         weights_before = [p.detach().clone() for p in tracked]
@@ -354,11 +360,14 @@ def bench_training(model_name: str, device: str, repeats: int, variants=VARIANTS
             tracker.after_step()
     parts = _rounds({"nearest": lambda: store(lp_n, "nearest"), "stochastic": lambda: store(lp_s, "stochastic"),
                      "copies": across_update, "observer": lambda: across_update(observer),
-                     "predictor": lambda: across_update(predictor)}, device, repeats, min_seconds=STEP_SECONDS)
+                     "predictor": lambda: across_update(predictor),
+                     **({"watch": lambda: across_update(watcher)} if watcher is not None else {})},
+                    device, repeats, min_seconds=STEP_SECONDS)
     observe = max(0.0, parts["observer"] - parts["copies"])
     predict = max(0.0, parts["predictor"] - parts["copies"])
     alone = {"plain": 0.0, "nearest": parts["nearest"], "stochastic": parts["stochastic"],
-             "nearest+observer": parts["nearest"] + observe, "plain+predictor": predict}
+             "nearest+observer": parts["nearest"] + observe, "plain+predictor": predict,
+             "plain+watch": max(0.0, parts.get("watch", 0.0) - parts["copies"])}
     peaks = {}
     for v in variants:   # each from the same state: gradients released, optimizer state made
         inner.zero_grad(set_to_none=True)
@@ -516,7 +525,8 @@ def report(result: dict) -> str:
 #: the performance targets: the most each ratio may be (quantize against the native round trip,
 #: a training step against the plain step)
 TARGETS = {"nearest bf16/fp16": 1.5, "nearest, other formats": 2.5, "stochastic": 3.0, "memory / input": 2.0,
-           "nearest": 1.10, "stochastic step": 1.10, "nearest+observer": 1.15, "plain+predictor": 1.15}
+           "nearest": 1.10, "stochastic step": 1.10, "nearest+observer": 1.15, "plain+predictor": 1.15,
+           "plain+watch": 1.10}
 
 
 #: the sizes the targets are set for: those of the full run on a CPU (``--threads 1``)

@@ -228,8 +228,8 @@ class FreezeWatch:
         self.path, self.save_every, self.writer = path, save_every, writer
         self._bar = progress_bar(range(self.total_steps or 0), desc="freeze watch", disable=not progress) \
             if progress else None
-        self._handles = [self.optimizer.register_step_pre_hook(self._pre),
-                         self.optimizer.register_step_post_hook(self._post)]
+        self._handles = [self.optimizer.register_step_pre_hook(self.before_step),
+                         self.optimizer.register_step_post_hook(self.after_step)]
 
     # ---- hooks ---------------------------------------------------------------------------------
 
@@ -237,7 +237,10 @@ class FreezeWatch:
         return self._step % self.every == 0
 
     @torch.no_grad()
-    def _pre(self, optimizer, args, kwargs) -> None:
+    def before_step(self, optimizer=None, args=(), kwargs=None) -> None:
+        """Copy the tracked parameters before a watched step. The optimizer's step pre-hook
+        calls it; call it (and :meth:`after_step`) yourself only around a step the hooks do not
+        see."""
         if not self._watched():
             return
         for n in self.tracked:
@@ -249,7 +252,9 @@ class FreezeWatch:
         self._lr_now = [float(g["lr"]) for g in self.optimizer.param_groups]
 
     @torch.no_grad()
-    def _post(self, optimizer, args, kwargs) -> None:
+    def after_step(self, optimizer=None, args=(), kwargs=None) -> None:
+        """Compare the tracked parameters with their copies and add one point to every record
+        (the optimizer's step post-hook calls it)."""
         step, self._step = self._step, self._step + 1
         if self._bar is not None and hasattr(self._bar, "update"):
             self._bar.update(1)
@@ -327,8 +332,9 @@ class FreezeWatch:
         else:
             self._hist[key] = counts
         d = update.reshape(-1)[::stride].abs().float()
-        half_gap = ulp(stored.reshape(-1)[::stride], fmt).float() / 2
-        self._medians[key] = (float(d.median()), float(half_gap.median()), lr)
+        if key not in self._medians or lr >= self._medians[key][2]:   # kept at the largest learning rate
+            half_gap = ulp(stored.reshape(-1)[::stride], fmt).float() / 2
+            self._medians[key] = (float(d.median()), float(half_gap.median()), lr)
 
     def _watch_counters(self, step: int) -> None:
         """Optimizer-state counters (``step``) held in a float format: do they still count?"""
@@ -340,6 +346,12 @@ class FreezeWatch:
                     if last is not None and v == last:
                         self._stuck_counters[(n, key)] = self._stuck_counters.get((n, key), 0) + 1
                     self._state_values[(n, key)] = v
+
+    def held_bytes(self) -> int:
+        """The memory the watch keeps from step to step: its one copy of the tracked parameters,
+        the forecast's histograms and the rows-with-gradient flags."""
+        tensors = list(self._before.values()) + list(self._hist.values()) + list(self._rows_seen.values())
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     # ---- attach and detach ---------------------------------------------------------------------
 
@@ -448,6 +460,23 @@ class FreezeWatch:
         out["overall"] = {s: weighted[s] / total_size for s in future}
         return out
 
+    def update_ratios(self, fmt=None, q: float = 0.5) -> Dict[str, float]:
+        """Per tensor, the ``q`` quantile of ``|d| / (lr gap)``, each element's step per unit of
+        learning rate in gaps of its stored value, as the forecast takes it now (a moving
+        average over about the last 20 watched steps). An element freezes at a learning rate
+        below ``1 / (2 ratio)``."""
+        if self.mode != "predict" or not self.steps:
+            raise ValueError("update ratios are measured in prediction mode, after at least one watched step")
+        if not 0.0 < q < 1.0:
+            raise ValueError(f"q must be in (0, 1), got {q!r}")
+        name = self.record(fmt).format
+        out = {}
+        for n in self.tracked:
+            c = torch.cumsum(self._hist[(n, name)], 0)
+            i = int(torch.searchsorted(c / c[-1], torch.tensor(q, dtype=c.dtype)))
+            out[n] = 0.0 if i == 0 else 2.0 ** float(_EDGES[min(i, len(_EDGES) - 1)])
+        return out
+
     def forecast(self, fmt=None, threshold: Optional[float] = None,
                  total_steps: Optional[int] = None) -> Dict[str, object]:
         """The step at which the whole model and each tensor will pass the threshold (the first
@@ -498,17 +527,17 @@ class FreezeWatch:
                     d, half, lr = self._medians[(n, f)]
                     out.append(Diagnosis("cannot_move", n, (
                         f"{n} ({self.sizes[n]:,} elements) cannot move in {f}: on every one of the {span} watched steps "
-                        f"at least {min(held):.1%} of its updates were below half the gap of its stored values (last "
-                        f"step: median update {d:.2e} at lr {lr:.2e}, median half gap {half:.2e}), while its gradient "
-                        f"is not zero. Remedy: keep it in float32 (master weights), or use stochastic rounding."),
+                        f"at least {min(held):.1%} of its updates were below half the gap of its stored values (at the "
+                        f"largest learning rate, {lr:.2e}: median update {d:.2e}, median half gap {half:.2e}), while "
+                        f"its gradient is not zero. Remedy: keep it in float32 (master weights), or use stochastic rounding."),
                         {"format": f, "frozen": min(held), "steps": span, "median_update": d, "median_half_gap": half,
                          "lr": lr, "with_gradient": min(with_grad)}))
                     continue
                 verb = "would have been" if self.mode == "predict" else "has been"
                 out.append(Diagnosis("frozen", n, (
                     f"{n} ({self.sizes[n]:,} elements) {verb} frozen in {f} for the last {span} watched steps: at least "
-                    f"{min(held[-k:]):.1%} of it unchanged by every step, although {min(with_grad[-k:]):.0%} or more of "
-                    f"its elements had a nonzero gradient. Remedy: float32 master weights, or stochastic rounding."),
+                    f"{min(held[-k:]):.1%} of it unchanged by every step, while at least {min(with_grad[-k:]):.0%} of its "
+                    f"elements had a nonzero gradient at each of them. Remedy: float32 master weights, or stochastic rounding."),
                     {"format": f, "frozen": min(held[-k:]), "steps": span, "since_start": always,
                      "with_gradient": min(with_grad[-k:])}))
         out += self._weight_decay() + self._state_decay() + self._counters() + self._idle()

@@ -403,3 +403,15 @@ def test_lightning_callback(tmp_path):
     assert load_watch(tmp_path / "watch.json").data["steps"] == list(range(8))
     assert w.lrs[-1][0] < w.lrs[0][0]
     assert math.isfinite(w.record("bf16").overall[-1])
+
+
+def test_update_ratios_and_held_memory():
+    w, made, g = constant_gradient_run(30, [0.01] * 30, forecast_at=30)
+    ratios = w.update_ratios("bf16", q=0.5)
+    # |d| / (lr gap) = |g| / 2^-7 for weights at 1.5: the median |g| of linspace(0.05, 1) is 0.525
+    assert ratios["p"] == pytest.approx(0.525 * 2**7, rel=0.1)
+    assert w.update_ratios("bf16", q=0.9)["p"] > ratios["p"]
+    with pytest.raises(ValueError, match="q must be"):
+        w.update_ratios("bf16", q=1.0)
+    assert w.held_bytes() >= 400 * 4          # the one copy of the 400 float32 parameters
+    assert w.held_bytes() < 400 * 4 + 20_000  # and a histogram, nothing per step
