@@ -358,15 +358,16 @@ def bench_training(model_name: str, device: str, repeats: int, variants=VARIANTS
             p.copy_(w)
         if tracker is not None:
             tracker.after_step()
-    parts = _rounds({"nearest": lambda: store(lp_n, "nearest"), "stochastic": lambda: store(lp_s, "stochastic"),
-                     "copies": across_update, "observer": lambda: across_update(observer),
-                     "predictor": lambda: across_update(predictor),
-                     **({"watch": lambda: across_update(watcher)} if watcher is not None else {})},
-                    device, repeats, min_seconds=STEP_SECONDS)
-    observe = max(0.0, parts["observer"] - parts["copies"])
-    predict = max(0.0, parts["predictor"] - parts["copies"])
-    alone = {"plain": 0.0, "nearest": parts["nearest"], "stochastic": parts["stochastic"],
-             "nearest+observer": parts["nearest"] + observe, "plain+predictor": predict,
+    jobs = {"nearest": lambda: store(lp_n, "nearest"), "stochastic": lambda: store(lp_s, "stochastic"),
+            "copies": across_update, "observer": lambda: across_update(observer),
+            "predictor": lambda: across_update(predictor), "watch": lambda: across_update(watcher)}
+    needed = {"copies"} | {{"nearest+observer": "observer", "plain+predictor": "predictor", "plain+watch": "watch"}.get(v, v)
+                           for v in variants if v != "plain"} | ({"nearest"} if "nearest+observer" in variants else set())
+    parts = _rounds({k: f for k, f in jobs.items() if k in needed}, device, repeats, min_seconds=STEP_SECONDS)
+    observe = max(0.0, parts.get("observer", 0.0) - parts["copies"])
+    alone = {"plain": 0.0, "nearest": parts.get("nearest", 0.0), "stochastic": parts.get("stochastic", 0.0),
+             "nearest+observer": parts.get("nearest", 0.0) + observe,
+             "plain+predictor": max(0.0, parts.get("predictor", 0.0) - parts["copies"]),
              "plain+watch": max(0.0, parts.get("watch", 0.0) - parts["copies"])}
     peaks = {}
     for v in variants:   # each from the same state: gradients released, optimizer state made
@@ -619,8 +620,9 @@ def summary(result: dict) -> str:
 # ------------------------------------------------------------------------------------------------
 def run(device: str = "cpu", quick: bool = False, size: Optional[int] = None, repeats: Optional[int] = None,
         models: Optional[List[str]] = None, libraries: bool = True, eager: bool = True,
-        scale_sizes: Optional[List[int]] = None, progress: bool = True) -> dict:
-    """Run the benchmark and return its results (see the module docstring).
+        scale_sizes: Optional[List[int]] = None, progress: bool = True, variants=VARIANTS) -> dict:
+    """Run the benchmark and return its results (see the module docstring); ``variants``: the
+    training-step variants to time (``plain`` always among them).
 
     Example:
         >>> result = run(quick=True, size=1 << 12, models=[], libraries=False, scale_sizes=[])
@@ -648,13 +650,13 @@ def run(device: str = "cpu", quick: bool = False, size: Optional[int] = None, re
         train_repeats = (3 if quick else 15) if (name == "gpt2" and not on_gpu) else (15 if quick else 40)
         previous = _fused.set_mode("on")
         try:
-            t = bench_training(name, device, train_repeats)
+            t = bench_training(name, device, train_repeats, variants)
         finally:
             _fused.set_mode(previous)
         if eager and name == "nanogpt-quick":
             previous = _fused.set_mode("off")
             try:
-                t["eager_ratio"] = bench_training(name, device, train_repeats)["ratio"]
+                t["eager_ratio"] = bench_training(name, device, train_repeats, variants)["ratio"]
             finally:
                 _fused.set_mode(previous)
         result["training"].append(t)
@@ -687,6 +689,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--no-libraries", action="store_true", help="skip QPyTorch and pychop")
     parser.add_argument("--no-eager", action="store_true", help="skip the measurements with the fused kernels off")
     parser.add_argument("--no-scale", action="store_true", help="skip the scale tables")
+    parser.add_argument("--variants", default=None,
+                        help=f"comma-separated training-step variants (default all: {', '.join(VARIANTS)})")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--summary-of", default=None, metavar="JSON",
                         help="measure nothing: print the tables and the summary against the targets of a "
@@ -705,8 +709,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no GPU")
     models = None if args.models is None else [m for m in args.models.split(",") if m]
+    variants = VARIANTS
+    if args.variants:
+        variants = tuple(dict.fromkeys(["plain"] + [v.strip() for v in args.variants.split(",") if v.strip()]))
+        unknown = [v for v in variants if v not in VARIANTS]
+        if unknown:
+            parser.error(f"--variants: unknown {', '.join(unknown)}; valid: {', '.join(VARIANTS)}")
     result = run(args.device, args.quick, args.size, args.repeats, models, not args.no_libraries, not args.no_eager,
-                 scale_sizes=[] if args.no_scale else None)
+                 scale_sizes=[] if args.no_scale else None, variants=variants)
     print(report(result) + "\n\n## Against the targets\n" + summary(result))
     if args.out:
         atomic_write_json(args.out, json.loads(json.dumps(result, default=str)))

@@ -47,7 +47,7 @@ import math
 import types
 import warnings
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Union
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
@@ -55,7 +55,7 @@ from .formats import FloatFormat, get_format
 from .optimizer import LowPrecisionOptimizer
 from .prediction import FreezeRecord, freeze_step
 from .results import atomic_write_json
-from .rounding import quantize, ulp, update_ulp_ratio, would_freeze
+from .rounding import quantize, update_ulp_ratio, would_freeze
 from .runtime import progress_bar
 
 __all__ = ["watch", "FreezeWatch", "Diagnosis", "WatchReport", "load_watch", "DIAGNOSIS_KINDS",
@@ -71,7 +71,6 @@ for _name, _fmt in (("float8_e4m3fn", "e4m3"), ("float8_e5m2", "e5m2")):
 
 # the forecast's histogram of log2(|d| / (lr * gap)): eighths of an octave from 2^-64 to 2^32
 _EDGES = torch.arange(-64 * 8, 32 * 8 + 1, dtype=torch.float32) / 8
-_SAMPLE = 1 << 16        # at most this many elements per tensor go into the histogram
 _MEMORY = 20             # the forecast's histogram: a moving average over about this many watched steps
 _LOCKED = 0.99           # "cannot move" / "frozen": at least this fraction of a tensor held still
 
@@ -139,6 +138,42 @@ def _total_of(scheduler) -> Optional[int]:
     return None
 
 
+class _SamplePlan:
+    """Which elements of each tracked tensor the watch follows: all of them, or for a tensor
+    larger than ``sample`` an evenly strided ``sample`` of them (the same elements every step).
+    Everything the watch computes runs once over the followed elements of all tensors laid end
+    to end, and per-tensor sums come from one ``bincount``."""
+
+    def __init__(self, tensors: List[torch.Tensor], sample: Optional[int]) -> None:
+        self.strides, self.counts = [], []
+        for t in tensors:
+            n = t.numel()
+            stride = 1 if sample is None or n <= sample else -(-n // sample)
+            self.strides.append(stride)
+            self.counts.append(len(range(0, n, stride)))
+        device = tensors[0].device if tensors else "cpu"
+        self.tensor_id = torch.repeat_interleave(torch.arange(len(tensors), device=device),
+                                                 torch.tensor(self.counts, device=device))
+
+    def gather(self, tensors: List[torch.Tensor], out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The followed elements, end to end (into ``out`` when it fits: one buffer, step after step)."""
+        parts = [t.reshape(-1)[::s] for t, s in zip(tensors, self.strides)]
+        dtype = parts[0].dtype if all(p.dtype == parts[0].dtype for p in parts) else torch.float64
+        if out is not None and out.dtype == dtype and out.numel() == self.tensor_id.numel():
+            return torch.cat([p.to(dtype) for p in parts], out=out)
+        return torch.cat([p.to(dtype) for p in parts])
+
+    def per_tensor(self, values: torch.Tensor) -> torch.Tensor:
+        """Per tensor, the sum of ``values`` (bool or float) over its followed elements."""
+        return torch.bincount(self.tensor_id, weights=values.double(), minlength=len(self.counts))
+
+    def histogram(self, y: torch.Tensor) -> torch.Tensor:
+        """Per tensor, the counts of ``y`` in the bins of :data:`_EDGES`: (tensors, bins)."""
+        bins = len(_EDGES) + 1
+        codes = torch.bucketize(y, _EDGES.to(y.device)) + self.tensor_id * bins
+        return torch.bincount(codes, minlength=len(self.counts) * bins).view(len(self.counts), bins).cpu()
+
+
 class FreezeWatch:
     """What :func:`watch` returns: the hooks, the measurements, and the answers. See the module
     docstring; the arguments are those of :func:`watch`.
@@ -154,13 +189,15 @@ class FreezeWatch:
     def __init__(self, model: torch.nn.Module, optimizer, formats: Sequence = ("bf16",), scheduler=None,
                  every: int = 1, threshold: float = 0.5, total_steps: Optional[int] = None,
                  patience: int = 10, path=None, save_every: int = 100, writer=None,
-                 progress: bool = False) -> None:
+                 progress: bool = False, sample: Optional[int] = 1 << 16) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
             raise ValueError(f"every must be a whole number of steps >= 1, got {every!r}")
         if not isinstance(threshold, (int, float)) or not 0.0 < threshold <= 1.0:
             raise ValueError(f"threshold must be in (0, 1], got {threshold!r}")
+        if sample is not None and (isinstance(sample, bool) or not isinstance(sample, int) or sample < 1):
+            raise ValueError(f"sample must be a whole number of elements per tensor >= 1, or None (all), got {sample!r}")
         if not isinstance(patience, int) or patience < 1:
             raise ValueError(f"patience must be a whole number of watched steps >= 1, got {patience!r}")
         if isinstance(formats, (str, FloatFormat)):
@@ -219,9 +256,11 @@ class FreezeWatch:
         self.idle: Dict[str, List[float]] = {n: [] for n in self.tracked}       # no gradient
         self.frozen_with_grad: Dict[str, List[float]] = {n: [] for n in self.tracked}
         self._rows_seen: Dict[str, torch.Tensor] = {}
-        self._hist: Dict[tuple, torch.Tensor] = {}
-        self._medians: Dict[tuple, tuple] = {}
-        self._before: Dict[str, torch.Tensor] = {}
+        self._embeddings = {f"{m}.weight" if m else "weight" for m, mod in model.named_modules()
+                            if isinstance(mod, torch.nn.Embedding)} & set(self.tracked)
+        self._hist: Dict[str, torch.Tensor] = {}        # per format: (tensors, bins), a moving average
+        self._before: Optional[torch.Tensor] = None
+        self._plan = _SamplePlan([self._params[n] for n in self.tracked], sample)
         self._step = 0
         self._state_values: Dict[tuple, float] = {}
         self._stuck_counters: Dict[tuple, int] = {}
@@ -243,12 +282,7 @@ class FreezeWatch:
         see."""
         if not self._watched():
             return
-        for n in self.tracked:
-            p = self._params[n].detach()
-            buf = self._before.get(n)
-            if buf is None or buf.shape != p.shape or buf.dtype != p.dtype or buf.device != p.device:
-                self._before[n] = buf = torch.empty_like(p)
-            buf.copy_(p)
+        self._before = self._plan.gather([self._params[n].detach() for n in self.tracked], self._before)
         self._lr_now = [float(g["lr"]) for g in self.optimizer.param_groups]
 
     @torch.no_grad()
@@ -263,46 +297,56 @@ class FreezeWatch:
             return
         self.steps.append(step)
         self.lrs.append(self._lr_now)
-        per_format = {f: [] for f in self.formats}
-        for n in self.tracked:
-            new, old = self._params[n].detach(), self._before[n]
-            grad = self._params[n].grad
-            no_grad = torch.ones_like(new, dtype=torch.bool) if grad is None else grad == 0
-            size = new.numel()
-            if grad is not None and new.dim() >= 2:      # rows (dim 0) that ever had a gradient
-                seen = (~no_grad).reshape(new.shape[0], -1).any(1)
+        plan, params = self._plan, [self._params[n] for n in self.tracked]
+        new = plan.gather([p.detach() for p in params])
+        grad = plan.gather([p.grad if p.grad is not None else p.new_zeros(()).expand(p.shape) for p in params])
+        for n in self._embeddings:    # rows that had a gradient, in full: an embedding's unused rows
+            g = self._params[n].grad
+            if g is not None:
+                seen = g.reshape(g.shape[0], -1).ne(0).any(1)
                 self._rows_seen[n] = seen if n not in self._rows_seen else self._rows_seen[n] | seen
-            idle = int(no_grad.sum())
-            self.idle[n].append(idle / size)
-            if self.mode == "observe":
-                fmt = self._formats[n]
-                same = new == old
-                held = int(same.sum())
-                self.frozen_with_grad[n].append(int((same & ~no_grad).sum()) / size)
-                per_format[fmt.name].append((n, held, size))
-                continue
-            update = new.float() - old.float() if new.dtype != torch.float64 else new - old
-            lr = self._lr_now[self._group[n]]
-            for fmt in self.formats_given:
+        has_grad = grad != 0
+        parts = [plan.per_tensor(~has_grad)]
+        if self.mode == "observe":
+            same = new == self._before
+            parts += [plan.per_tensor(same), plan.per_tensor(same & has_grad)]
+        else:
+            old = self._before
+            update = new - old
+            lrs = torch.tensor([self._lr_now[self._group[n]] for n in self.tracked], dtype=torch.float64)
+            log_lr = torch.log2(lrs.clamp(min=1e-300)).to(torch.float32).to(new.device)[plan.tensor_id]
+            for i, fmt in enumerate(self.formats_given):
                 q = quantize(old, fmt)
                 frozen = would_freeze(q, update, fmt)
-                held = int(frozen.sum())
                 ratio = update_ulp_ratio(q, update, fmt)
-                moved = float(ratio.clamp(max=1.0).sum())
-                per_format[fmt.name].append((n, held, size, moved))
-                if fmt is self.formats_given[0]:
-                    self.frozen_with_grad[n].append(int((frozen & ~no_grad).sum()) / size)
-                self._measure(n, fmt, q, update, ratio, lr)
-        for f, rows in per_format.items():
-            rec = self.records[f]
-            total = sum(r[2] for r in rows)
-            for r in rows:
-                if r[0] not in rec.by_tensor:
-                    rec.by_tensor[r[0]], rec.sizes[r[0]] = [], r[2]
-                rec.by_tensor[r[0]].append(r[1] / r[2])
-            rec.overall.append(sum(r[1] for r in rows) / total if total else math.nan)
-            if self.mode == "predict":
-                rec.move_fraction.append(sum(r[3] for r in rows) / total if total else math.nan)
+                parts += [plan.per_tensor(frozen), plan.per_tensor(ratio.clamp(max=1.0))]
+                if i == 0:
+                    parts.append(plan.per_tensor(frozen & has_grad))
+                y = torch.where(ratio > 0, torch.log2(ratio.float()) - log_lr, torch.full_like(log_lr, -math.inf))
+                counts = plan.histogram(y).double()
+                counts /= counts.sum(1, keepdim=True).clamp(min=1)
+                h = self._hist.get(fmt.name)     # a moving average: Adam's ratio varies from step to step
+                self._hist[fmt.name] = counts if h is None else h.mul_(1 - 1 / _MEMORY).add_(counts, alpha=1 / _MEMORY)
+        values = torch.stack(parts).tolist()     # one transfer
+        counted = plan.counts
+        for j, n in enumerate(self.tracked):
+            self.idle[n].append(values[0][j] / counted[j])
+        if self.mode == "observe":
+            names = list(dict.fromkeys(self._formats[n].name for n in self.tracked))
+            self._append({f: [(n, values[1][j], counted[j], None) for j, n in enumerate(self.tracked)
+                              if self._formats[n].name == f] for f in names})
+            for j, n in enumerate(self.tracked):
+                self.frozen_with_grad[n].append(values[2][j] / counted[j])
+        else:
+            rows, at = {}, 1
+            for i, fmt in enumerate(self.formats_given):
+                frozen, moved = values[at], values[at + 1]
+                if i == 0:
+                    for j, n in enumerate(self.tracked):
+                        self.frozen_with_grad[n].append(values[at + 2][j] / counted[j])
+                at += 3 if i == 0 else 2
+                rows[fmt.name] = [(n, frozen[j], counted[j], moved[j]) for j, n in enumerate(self.tracked)]
+            self._append(rows)
         self._watch_counters(step)
         if self.writer is not None:
             for f in self.formats:
@@ -316,25 +360,24 @@ class FreezeWatch:
         if self.path is not None and len(self.steps) % self.save_every == 0:
             self.save(self.path)
 
-    def _measure(self, name: str, fmt: FloatFormat, stored, update, ratio, lr: float) -> None:
-        """The histogram of log2(|d| / (lr gap)) of a strided sample, for the forecast, and the
-        medians of |d| and of half the gap, for the diagnoses."""
-        flat = ratio.reshape(-1)
-        stride = max(1, flat.numel() // _SAMPLE)
-        sample = flat[::stride].float()
-        scaled = torch.log2(sample / lr) if lr > 0 else torch.full_like(sample, math.inf)
-        scaled = torch.where(sample > 0, scaled, torch.full_like(scaled, -math.inf))
-        counts = torch.bincount(torch.bucketize(scaled.cpu(), _EDGES), minlength=len(_EDGES) + 1).double()
-        key = (name, fmt.name)
-        counts /= counts.sum()
-        if key in self._hist:    # an exponential moving average: Adam's ratio varies from step to step
-            self._hist[key].mul_(1 - 1 / _MEMORY).add_(counts, alpha=1 / _MEMORY)
-        else:
-            self._hist[key] = counts
-        d = update.reshape(-1)[::stride].abs().float()
-        if key not in self._medians or lr >= self._medians[key][2]:   # kept at the largest learning rate
-            half_gap = ulp(stored.reshape(-1)[::stride], fmt).float() / 2
-            self._medians[key] = (float(d.median()), float(half_gap.median()), lr)
+    def _append(self, rows: Dict[str, list]) -> None:
+        """One point of every record: per tensor the fraction of its followed elements, overall
+        the size-weighted sum (exact where a tensor is followed in full)."""
+        for f, items in rows.items():
+            rec = self.records[f]
+            total = sum(self.sizes[n] for n, *_ in items)
+            held = moved = 0.0
+            for n, frozen, counted, move in items:
+                if n not in rec.by_tensor:
+                    rec.by_tensor[n], rec.sizes[n] = [], self.sizes[n]
+                rec.by_tensor[n].append(frozen / counted)
+                scale = self.sizes[n] / counted
+                held += frozen * scale
+                if move is not None:
+                    moved += move * scale
+            rec.overall.append(held / total if total else math.nan)
+            if self.mode == "predict":
+                rec.move_fraction.append(moved / total if total else math.nan)
 
     def _watch_counters(self, step: int) -> None:
         """Optimizer-state counters (``step``) held in a float format: do they still count?"""
@@ -350,7 +393,8 @@ class FreezeWatch:
     def held_bytes(self) -> int:
         """The memory the watch keeps from step to step: its one copy of the tracked parameters,
         the forecast's histograms and the rows-with-gradient flags."""
-        tensors = list(self._before.values()) + list(self._hist.values()) + list(self._rows_seen.values())
+        tensors = ([self._before] if self._before is not None else []) + list(self._hist.values()) \
+            + list(self._rows_seen.values()) + [self._plan.tensor_id]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     # ---- attach and detach ---------------------------------------------------------------------
@@ -360,7 +404,7 @@ class FreezeWatch:
         for h in self._handles:
             h.remove()
         self._handles = []
-        self._before = {}
+        self._before = None
         if self._bar is not None and hasattr(self._bar, "close"):
             self._bar.close()
         if self.path is not None:
@@ -446,9 +490,9 @@ class FreezeWatch:
         cum = {}
         out: Dict[str, Dict[int, float]] = {}
         weighted = {s: 0.0 for s in future}
-        for n in self.tracked:
-            c = torch.cumsum(self._hist[(n, name)], 0)
-            cum[n] = (c / c[-1]).tolist()
+        for j, n in enumerate(self.tracked):
+            c = torch.cumsum(self._hist[name][j], 0)
+            cum[n] = (c / c[-1].clamp(min=1e-300)).tolist()
             gi = self._group[n]
             curve = {}
             for s in future:
@@ -471,9 +515,9 @@ class FreezeWatch:
             raise ValueError(f"q must be in (0, 1), got {q!r}")
         name = self.record(fmt).format
         out = {}
-        for n in self.tracked:
-            c = torch.cumsum(self._hist[(n, name)], 0)
-            i = int(torch.searchsorted(c / c[-1], torch.tensor(q, dtype=c.dtype)))
+        for j, n in enumerate(self.tracked):
+            c = torch.cumsum(self._hist[name][j], 0)
+            i = int(torch.searchsorted(c / c[-1].clamp(min=1e-300), torch.tensor(q, dtype=c.dtype)))
             out[n] = 0.0 if i == 0 else 2.0 ** float(_EDGES[min(i, len(_EDGES) - 1)])
         return out
 
@@ -524,14 +568,17 @@ class FreezeWatch:
                 always = min(held) >= _LOCKED          # held since the first watched step
                 span = len(held) if always else k
                 if self.mode == "predict" and always:
-                    d, half, lr = self._medians[(n, f)]
+                    top = self.update_ratios(f, q=_LOCKED)[n]        # the largest steps per unit of lr, in gaps
+                    lr = max(lrs[self._group[n]] for lrs in self.lrs)
                     out.append(Diagnosis("cannot_move", n, (
                         f"{n} ({self.sizes[n]:,} elements) cannot move in {f}: on every one of the {span} watched steps "
-                        f"at least {min(held):.1%} of its updates were below half the gap of its stored values (at the "
-                        f"largest learning rate, {lr:.2e}: median update {d:.2e}, median half gap {half:.2e}), while "
-                        f"its gradient is not zero. Remedy: keep it in float32 (master weights), or use stochastic rounding."),
-                        {"format": f, "frozen": min(held), "steps": span, "median_update": d, "median_half_gap": half,
-                         "lr": lr, "with_gradient": min(with_grad)}))
+                        f"at least {min(held):.1%} of its updates were below half the gap of its stored values, while its "
+                        f"gradient is not zero. Its steps are at most about {top:.3g} gaps per unit of learning rate "
+                        f"(99th percentile), so it moves only above a learning rate of {0.5 / top if top else math.inf:.2e}; "
+                        f"the largest so far is {lr:.2e}. Remedy: keep it in float32 (master weights), or use stochastic "
+                        f"rounding."),
+                        {"format": f, "frozen": min(held), "steps": span, "ratio_p99": top, "max_lr": lr,
+                         "moves_above_lr": 0.5 / top if top else math.inf, "with_gradient": min(with_grad)}))
                     continue
                 verb = "would have been" if self.mode == "predict" else "has been"
                 out.append(Diagnosis("frozen", n, (
@@ -808,7 +855,7 @@ def load_watch(path) -> WatchReport:
 
 def watch(model: torch.nn.Module, optimizer, formats: Sequence = ("bf16",), scheduler=None, every: int = 1,
           threshold: float = 0.5, total_steps: Optional[int] = None, patience: int = 10, path=None,
-          save_every: int = 100, writer=None, progress: bool = False) -> FreezeWatch:
+          save_every: int = 100, writer=None, progress: bool = False, sample: Optional[int] = 1 << 16) -> FreezeWatch:
     """Watch a training run for weights that cannot move; returns a :class:`FreezeWatch`.
 
     Args:
@@ -827,6 +874,9 @@ def watch(model: torch.nn.Module, optimizer, formats: Sequence = ("bf16",), sche
         path: save the report there every ``save_every`` watched steps and on ``detach()``.
         writer: a TensorBoard ``SummaryWriter``: frozen fractions written as scalars.
         progress: a progress bar with the frozen fraction (needs ``total_steps``).
+        sample: follow at most this many elements of each tensor (evenly strided, the same ones
+            every step; smaller tensors in full), or None for all of them: the cost of a watched
+            step then stays a small part of a training step however large the model.
     """
     return FreezeWatch(model, optimizer, formats, scheduler, every, threshold, total_steps, patience, path,
-                       save_every, writer, progress)
+                       save_every, writer, progress, sample)

@@ -415,3 +415,21 @@ def test_update_ratios_and_held_memory():
         w.update_ratios("bf16", q=1.0)
     assert w.held_bytes() >= 400 * 4          # the one copy of the 400 float32 parameters
     assert w.held_bytes() < 400 * 4 + 20_000  # and a histogram, nothing per step
+
+
+def test_a_sample_of_a_large_tensor_estimates_the_whole():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(512, 512)            # 262,144 weights: followed through a sample of 4,096
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    sampled = lp.watch(model, opt, sample=4096)
+    full = lp.watch(model, opt, sample=None)
+    for _ in range(5):
+        opt.zero_grad()
+        model(torch.randn(32, 512)).pow(2).mean().backward()
+        opt.step()
+    assert sampled.held_bytes() < full.held_bytes() / 20
+    a, b = sampled.record("bf16").by_tensor["weight"], full.record("bf16").by_tensor["weight"]
+    assert a != b and max(abs(x - y) for x, y in zip(a, b)) < 0.03       # an estimate, within a few points
+    assert sampled.record("bf16").by_tensor["bias"] == full.record("bf16").by_tensor["bias"]   # small: in full
+    with pytest.raises(ValueError, match="sample"):
+        lp.watch(model, opt, sample=0)
