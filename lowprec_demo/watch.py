@@ -154,6 +154,7 @@ class _SamplePlan:
         device = tensors[0].device if tensors else "cpu"
         self.tensor_id = torch.repeat_interleave(torch.arange(len(tensors), device=device),
                                                  torch.tensor(self.counts, device=device))
+        self.ends = torch.cumsum(torch.tensor(self.counts, device=device), 0) - 1   # every count is >= 1
 
     def gather(self, tensors: List[torch.Tensor], out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The followed elements, end to end (into ``out`` when it fits: one buffer, step after step)."""
@@ -164,14 +165,20 @@ class _SamplePlan:
         return torch.cat([p.to(dtype) for p in parts])
 
     def per_tensor(self, values: torch.Tensor) -> torch.Tensor:
-        """Per tensor, the sum of ``values`` (bool or float) over its followed elements."""
-        return torch.bincount(self.tensor_id, weights=values.double(), minlength=len(self.counts))
+        """Per tensor, the sum of ``values`` (bool or float) over its followed elements, float64:
+        a running sum, read at the end of every tensor's stretch (exact for counts)."""
+        exact = torch.int64 if values.dtype == torch.bool else torch.float64
+        total = values.cumsum(0, dtype=exact)[self.ends]
+        return torch.diff(total, prepend=total.new_zeros(1)).double()
 
     def histogram(self, y: torch.Tensor) -> torch.Tensor:
-        """Per tensor, the counts of ``y`` in the bins of :data:`_EDGES`: (tensors, bins)."""
+        """Per tensor, the counts of ``y`` in the bins of :data:`_EDGES` (bin i holds
+        ``edges[i-1] < y <= edges[i]``, the first everything up to ``edges[0]``, the last
+        everything above the last edge; NaN counts as above): (tensors, bins), float64."""
         bins = len(_EDGES) + 1
-        codes = torch.bucketize(y, _EDGES.to(y.device)) + self.tensor_id * bins
-        return torch.bincount(codes, minlength=len(self.counts) * bins).view(len(self.counts), bins).cpu()
+        at = torch.ceil((y - float(_EDGES[0])) * 8).nan_to_num(nan=bins - 1).clamp(0, bins - 1).long()
+        codes = at + self.tensor_id * bins
+        return torch.bincount(codes, minlength=len(self.counts) * bins).view(len(self.counts), bins).cpu().double()
 
 
 class FreezeWatch:
@@ -222,6 +229,8 @@ class FreezeWatch:
                 if not p.is_floating_point():
                     raise ValueError(f"{names[id(p)]} has dtype {p.dtype}: the watch tracks floating-point parameters "
                                      f"only")
+                if p.numel() == 0:       # nothing to watch
+                    continue
                 self._params[names[id(p)]] = p
                 self._group[names[id(p)]] = gi
         if not self._params:
@@ -306,10 +315,10 @@ class FreezeWatch:
                 seen = g.reshape(g.shape[0], -1).ne(0).any(1)
                 self._rows_seen[n] = seen if n not in self._rows_seen else self._rows_seen[n] | seen
         has_grad = grad != 0
-        parts = [plan.per_tensor(~has_grad)]
+        columns = [~has_grad]                    # per element; summed per tensor in one pass below
         if self.mode == "observe":
             same = new == self._before
-            parts += [plan.per_tensor(same), plan.per_tensor(same & has_grad)]
+            columns += [same, same & has_grad]
         else:
             old = self._before
             update = new - old
@@ -317,17 +326,21 @@ class FreezeWatch:
             log_lr = torch.log2(lrs.clamp(min=1e-300)).to(torch.float32).to(new.device)[plan.tensor_id]
             for i, fmt in enumerate(self.formats_given):
                 q = quantize(old, fmt)
-                frozen = would_freeze(q, update, fmt)
-                ratio = update_ulp_ratio(q, update, fmt)
-                parts += [plan.per_tensor(frozen), plan.per_tensor(ratio.clamp(max=1.0))]
+                ratio = update_ulp_ratio(q, update, fmt)     # |d| / gap, exact: the gap is a power of two
+                frozen = ratio < 0.5                         # the freeze rule; a tie goes to the even neighbour
+                tie = ratio == 0.5
+                if bool(tie.any()):
+                    frozen[tie] = would_freeze(q[tie], update[tie], fmt)
+                columns += [frozen, ratio.clamp(max=1.0)]
                 if i == 0:
-                    parts.append(plan.per_tensor(frozen & has_grad))
-                y = torch.where(ratio > 0, torch.log2(ratio.float()) - log_lr, torch.full_like(log_lr, -math.inf))
-                counts = plan.histogram(y).double()
+                    columns.append(frozen & has_grad)
+                y = torch.log2(ratio.float()) - log_lr       # log2(|d| / (lr gap)); -inf for no step
+                counts = plan.histogram(y)
                 counts /= counts.sum(1, keepdim=True).clamp(min=1)
                 h = self._hist.get(fmt.name)     # a moving average: Adam's ratio varies from step to step
                 self._hist[fmt.name] = counts if h is None else h.mul_(1 - 1 / _MEMORY).add_(counts, alpha=1 / _MEMORY)
-        values = torch.stack(parts).tolist()     # one transfer
+        parts = torch.stack([plan.per_tensor(c) for c in columns])
+        values = parts.tolist()                  # one transfer
         counted = plan.counts
         for j, n in enumerate(self.tracked):
             self.idle[n].append(values[0][j] / counted[j])
