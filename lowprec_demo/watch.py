@@ -8,8 +8,11 @@ Put it on any model and ``torch.optim`` optimizer in one line; the training loop
     watch.diagnoses()                     # what cannot move, and why, in plain words
 
 It attaches through the optimizer's step hooks (``register_step_pre_hook`` and
-``register_step_post_hook``): before a watched step it copies the parameters (one copy, the only
-snapshot it holds), after it compares. It answers in one of two ways, chosen by how the
+``register_step_post_hook``): before a watched step it copies the parameters it follows (the only
+snapshot it holds), after it compares. It follows every element of a tensor of up to ``sample``
+elements (16,384 by default) and an evenly strided ``sample`` of a larger one, the same elements
+at every step, so that its cost stays a small part of a training step however large the model: the
+fractions of a large tensor are then estimates, within a few tenths of a percentage point. It answers in one of two ways, chosen by how the
 parameters are stored:
 
 *prediction*, when they are float32 (or float64): for every format in ``formats``, the fraction of
@@ -196,7 +199,7 @@ class FreezeWatch:
     def __init__(self, model: torch.nn.Module, optimizer, formats: Sequence = ("bf16",), scheduler=None,
                  every: int = 1, threshold: float = 0.5, total_steps: Optional[int] = None,
                  patience: int = 10, path=None, save_every: int = 100, writer=None,
-                 progress: bool = False, sample: Optional[int] = 1 << 16) -> None:
+                 progress: bool = False, sample: Optional[int] = 1 << 14) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
@@ -868,7 +871,7 @@ def load_watch(path) -> WatchReport:
 
 def watch(model: torch.nn.Module, optimizer, formats: Sequence = ("bf16",), scheduler=None, every: int = 1,
           threshold: float = 0.5, total_steps: Optional[int] = None, patience: int = 10, path=None,
-          save_every: int = 100, writer=None, progress: bool = False, sample: Optional[int] = 1 << 16) -> FreezeWatch:
+          save_every: int = 100, writer=None, progress: bool = False, sample: Optional[int] = 1 << 14) -> FreezeWatch:
     """Watch a training run for weights that cannot move; returns a :class:`FreezeWatch`.
 
     Args:
