@@ -58,7 +58,7 @@ from .formats import FloatFormat, get_format
 from .optimizer import LowPrecisionOptimizer
 from .prediction import FreezeRecord, freeze_step
 from .results import atomic_write_json
-from .rounding import quantize, update_ulp_ratio, would_freeze
+from .rounding import update_ulp_ratio, would_freeze
 from .runtime import progress_bar
 
 __all__ = ["watch", "FreezeWatch", "Diagnosis", "WatchReport", "load_watch", "DIAGNOSIS_KINDS",
@@ -273,6 +273,7 @@ class FreezeWatch:
         self._hist: Dict[str, torch.Tensor] = {}        # per format: (tensors, bins), a moving average
         self._before: Optional[torch.Tensor] = None
         self._plan = _SamplePlan([self._params[n] for n in self.tracked], sample)
+        self._groups = self._group_tensors()
         self._step = 0
         self._state_values: Dict[tuple, float] = {}
         self._stuck_counters: Dict[tuple, int] = {}
@@ -328,12 +329,11 @@ class FreezeWatch:
             lrs = torch.tensor([self._lr_now[self._group[n]] for n in self.tracked], dtype=torch.float64)
             log_lr = torch.log2(lrs.clamp(min=1e-300)).to(torch.float32).to(new.device)[plan.tensor_id]
             for i, fmt in enumerate(self.formats_given):
-                q = quantize(old, fmt)
-                ratio = update_ulp_ratio(q, update, fmt)     # |d| / gap, exact: the gap is a power of two
+                ratio = update_ulp_ratio(old, update, fmt)   # |d| / gap at q(old), exact: the gap is a power of two
                 frozen = ratio < 0.5                         # the freeze rule; a tie goes to the even neighbour
                 tie = ratio == 0.5
                 if bool(tie.any()):
-                    frozen[tie] = would_freeze(q[tie], update[tie], fmt)
+                    frozen[tie] = would_freeze(old[tie], update[tie], fmt)
                 columns += [frozen, ratio.clamp(max=1.0)]
                 if i == 0:
                     columns.append(frozen & has_grad)
@@ -367,7 +367,7 @@ class FreezeWatch:
         if self.writer is not None:
             for f in self.formats:
                 self.writer.add_scalar(f"freeze/{f}/frozen", self.records[f].overall[-1], step)
-                for group, members in self.groups().items():
+                for group, members in self._groups.items():
                     n_all = sum(self.sizes[n] for n in members)
                     value = sum(self.records[f].by_tensor[n][-1] * self.sizes[n] for n in members) / n_all
                     self.writer.add_scalar(f"freeze/{f}/{group}", value, step)
@@ -546,8 +546,10 @@ class FreezeWatch:
         tau = self.threshold if threshold is None else threshold
         if not 0.0 < tau <= 1.0:
             raise ValueError(f"threshold must be in (0, 1], got {tau!r}")
-        curves = self.forecast_curves(fmt, total_steps)
-        rec = self.record(fmt)
+        return self._freeze_steps(self.record(fmt), self.forecast_curves(fmt, total_steps), tau)
+
+    def _freeze_steps(self, rec: FreezeRecord, curves: Dict[str, Dict[int, float]], tau: float) -> Dict[str, object]:
+        """:meth:`forecast` from the record and the curves ahead."""
 
         def step_of(past: List[float], ahead: Dict[int, float]) -> Optional[int]:
             points = list(zip(self.steps, past)) + sorted(ahead.items())
@@ -561,6 +563,9 @@ class FreezeWatch:
         """Tensors by kind: ``"vectors"`` (biases, norm gains: one dimension), ``"embeddings"``
         (an ``nn.Embedding``'s weight, or a name with ``emb``, ``wte`` or ``wpe``) and
         ``"matrices"`` (the other tensors with 2 or more dimensions)."""
+        return {kind: list(members) for kind, members in self._groups.items()}
+
+    def _group_tensors(self) -> Dict[str, List[str]]:
         out: Dict[str, List[str]] = {}
         for n in self.tracked:
             p = self._params[n]
@@ -613,8 +618,8 @@ class FreezeWatch:
         out = []
         for gi, group in enumerate(self.optimizer.param_groups):
             wd = float(group.get("weight_decay", 0.0) or 0.0)
-            decoupled = isinstance(_inner(getattr(self.optimizer, "optimizer", self.optimizer)), torch.optim.AdamW) \
-                or bool(group.get("decoupled_weight_decay", False))
+            stepper = self.optimizer.optimizer if isinstance(self.optimizer, LowPrecisionOptimizer) else self.optimizer
+            decoupled = isinstance(stepper, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay", False))
             if wd <= 0 or not decoupled:
                 continue
             lr = max(lrs[gi] for lrs in self.lrs)
@@ -707,15 +712,16 @@ class FreezeWatch:
 
     # ---- report --------------------------------------------------------------------------------
 
-    def to_dict(self, fmt=None) -> dict:
+    def to_dict(self) -> dict:
         """The report as JSON-ready data: settings, steps and learning rates, the records, idle
         fractions, the table, the forecast curves (prediction mode with a known run length) and
         the diagnoses."""
         forecasts, curves = {}, {}
         if self.mode == "predict" and self.steps and self.total_steps:
             for f in self.formats:
-                forecasts[f] = self.forecast(f)
-                curves[f] = {n: {str(s): v for s, v in c.items()} for n, c in self.forecast_curves(f).items()}
+                ahead = self.forecast_curves(f)
+                forecasts[f] = self._freeze_steps(self.records[f], ahead, self.threshold)
+                curves[f] = {n: {str(s): v for s, v in c.items()} for n, c in ahead.items()}
         return {"kind": "lowprec_demo.watch", "mode": self.mode, "formats": self.formats, "threshold": self.threshold,
                 "every": self.every, "total_steps": self.total_steps, "steps": self.steps, "lrs": self.lrs,
                 "sizes": {n: self.sizes[n] for n in self.tracked}, "groups": self.groups(),
