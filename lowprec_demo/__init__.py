@@ -10,7 +10,8 @@ freeze rule), ``optimizer`` (LowPrecisionOptimizer), ``prediction`` (freeze pred
 observation), ``training`` (the training loop), ``experiments`` (named experiments),
 ``data`` and ``models``, ``plots``, ``widgets``, ``demos``, ``results`` (stored full-scale
 runs), ``watch`` (a freeze watch for your own training loop: ``lowprec_demo.watch(model, optimizer)``),
-``cli`` (``python -m lowprec_demo``) and ``bench`` (``python -m lowprec_demo.bench``).
+``remedies`` (the remedies side by side: ``compare_remedies``), ``fidelity`` (torch's own bf16 and
+fp16 optimizer steps, op by op), ``cli`` (``python -m lowprec_demo``) and ``bench`` (``python -m lowprec_demo.bench``).
 
 Example:
     >>> import lowprec_demo as lp
@@ -21,7 +22,7 @@ Example:
 import torch
 
 from .formats import FORMAT_NAMES, FloatFormat, format_table, get_format
-from .optimizer import LowPrecisionOptimizer, select_params
+from .optimizer import LowPrecisionOptimizer, bytes_per_parameter, select_params
 from .prediction import FreezeObserver, FreezePredictor, FreezeRecord, freeze_order, freeze_step, mask_mismatch, steps_agree
 from .rounding import move_probability, quantize, ulp, update_ulp_ratio, would_freeze
 from .runtime import by_scale, pick_device, progress_bar, scale, seed_everything
@@ -30,6 +31,7 @@ from .results import TrainResult, evidence_table, load_result, stored_results
 from .training import Task, train_formats, train_variants
 from .experiments import experiment_names, make_config, run_experiment, run_formats, sweep
 from .watch import Diagnosis, FreezeWatch, load_watch, watch
+from .remedies import RemedyComparison, compare_remedies
 
 __version__ = "0.1.0"
 
@@ -44,5 +46,5 @@ __all__ = [
     "load_result", "stored_results",
     "experiment_names", "make_config", "run_experiment", "sweep",
     "scale", "by_scale", "pick_device", "seed_everything", "progress_bar",
-    "watch", "FreezeWatch", "Diagnosis", "load_watch",
+    "watch", "FreezeWatch", "Diagnosis", "load_watch", "compare_remedies", "RemedyComparison", "bytes_per_parameter",
 ]

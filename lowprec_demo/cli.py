@@ -217,7 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--rand-bits", type=int, default=None, help="few-bit stochastic rounding with this many bits")
     run.add_argument("--predict", default="", help="extra formats to predict from the same reference, comma separated")
     run.add_argument("--variants", default=None,
-                     help="comma-separated runs (default reference,nearest,stochastic; kahan is available)")
+                     help="comma-separated runs (default reference,nearest,stochastic; also kahan, kahan_lp, master, "
+                          "nearest_state, stochastic_state)")
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                      help="a config field or an experiment option, e.g. --set dim=1 or --set momentum=0.9 "
                           "(repeatable; a field's value is read as the field's type; a field with a flag of "

@@ -18,7 +18,7 @@ from .formats import get_format
 
 __all__ = ["TrainConfig", "lr_factor", "VARIANTS", "OPTIMIZERS", "SCHEDULES"]
 
-VARIANTS = ("reference", "nearest", "stochastic", "kahan")
+VARIANTS = ("reference", "nearest", "stochastic", "kahan", "kahan_lp", "master", "nearest_state", "stochastic_state")
 OPTIMIZERS = ("sgd", "adamw", "adam")
 SCHEDULES = ("constant", "cosine", "wsd", "step")
 

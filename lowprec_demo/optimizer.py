@@ -13,11 +13,18 @@ Three ways to store the result of a step:
 ``rounding="stochastic"``
     Stochastic rounding, unbiased: small updates move the weight with probability ``|d|/ulp``.
 ``compensation="kahan"``
-    Nearest rounding plus a per-element compensation buffer (kept in the parameter's dtype) that
-    carries the rounding residual into the next step, as in Kahan summation: lost updates pile up
-    until they are big enough to move the weight.
+    Nearest rounding plus a per-element compensation buffer that carries the rounding residual
+    into the next step, as in Kahan summation: lost updates pile up until they are big enough to
+    move the weight. The buffer is kept in the parameter's dtype (float32, 4 bytes a parameter),
+    or on a grid of its own with ``compensation_format`` (``"bf16"``: 2 bytes, as torch-optimi
+    keeps it; the residual is then itself rounded and only its leading bits carry over).
+``master_weights=True``
+    Mixed precision: a float32 master copy of every selected parameter takes the optimizer's
+    steps, and the parameters the forward pass sees are that copy rounded to nearest. Nothing is
+    lost (the master keeps every update); it costs 4 bytes a parameter more.
 
 Optimizer state (Adam's moments, momentum buffers) can be kept on a grid too (``state_format``).
+:func:`bytes_per_parameter` counts what a setting stores per parameter.
 
 Example:
     >>> import torch
@@ -39,7 +46,7 @@ from . import _fused
 from .formats import FloatFormat, check_overflow_policy, get_format
 from .rounding import ROUNDING_MODES, GeneratorLike, _draw_seed, _native_dtype, quantize
 
-__all__ = ["LowPrecisionOptimizer", "select_params", "PARAM_SELECTIONS", "COMPENSATIONS"]
+__all__ = ["LowPrecisionOptimizer", "select_params", "bytes_per_parameter", "PARAM_SELECTIONS", "COMPENSATIONS"]
 
 PARAM_SELECTIONS = ("all", "matrices")
 COMPENSATIONS = (None, "kahan")
@@ -72,6 +79,45 @@ def select_params(params: Iterable[torch.Tensor], which: ParamSelection = "all")
     return [p for p in params if id(p) in chosen]
 
 
+def bytes_per_parameter(optimizer: torch.optim.Optimizer) -> dict:
+    """What a training setting stores per parameter element, as an implementation that really
+    keeps each tensor in its format would: ``weights`` (the storage format's width for the
+    selected parameters of a :class:`LowPrecisionOptimizer`, the dtype's size otherwise),
+    ``master`` (float32 master copies), ``state`` (the optimizer's per-element state tensors, at
+    ``state_format``'s width when set; count after a step, once the state exists),
+    ``compensation`` (Kahan buffers) and their ``total``, averaged over all elements. Gradients and
+    activations are left out: they are the same for every setting.
+
+    Example:
+        >>> w = torch.nn.Parameter(torch.ones(10))
+        >>> opt = torch.optim.AdamW([w]); w.grad = torch.ones(10); opt.step()
+        >>> bytes_per_parameter(opt)["total"]   # 4 (float32) + 2 x 4 (Adam's two moments)
+        12.0
+    """
+    wrapper = optimizer if isinstance(optimizer, LowPrecisionOptimizer) else None
+    inner = wrapper.optimizer if wrapper is not None else optimizer
+    chosen = {id(p) for p in wrapper.lowprec_params} if wrapper is not None else set()
+    totals = {"weights": 0.0, "master": 0.0, "state": 0.0, "compensation": 0.0}
+    count = 0
+    for group in inner.param_groups:
+        for p in group["params"]:
+            n, low = p.numel(), id(p) in chosen
+            count += n
+            totals["weights"] += n * (wrapper.fmt.bits / 8 if low else p.element_size())
+            if low and wrapper.master_weights:
+                totals["master"] += n * 4
+            if low and wrapper.compensation == "kahan":
+                fmt = wrapper.compensation_format
+                totals["compensation"] += n * (fmt.bits / 8 if fmt is not None else p.element_size())
+            for value in inner.state.get(p, {}).values():
+                if torch.is_tensor(value) and value.is_floating_point() and value.shape == p.shape:
+                    fmt = wrapper.state_format if low else None
+                    totals["state"] += n * (fmt.bits / 8 if fmt is not None else value.element_size())
+    out = {k: v / max(count, 1) for k, v in totals.items()}
+    out["total"] = sum(out.values())
+    return out
+
+
 class LowPrecisionOptimizer(torch.optim.Optimizer):
     """Keep selected parameters on the grid of ``fmt`` after every step of ``optimizer``.
 
@@ -89,6 +135,9 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
             ``exp_avg_sq``) of the selected parameters on this grid (None: full precision).
         state_rounding: rounding for the state, ``"nearest"`` or ``"stochastic"``.
         compensation: None or ``"kahan"`` (nearest rounding with a compensation buffer).
+        compensation_format: the grid the Kahan buffer is kept on (None: the parameter's dtype).
+        master_weights: keep a float32 master copy that takes the steps; the parameters hold
+            it rounded to nearest (``rounding`` must be ``"nearest"``, no compensation).
         overflow: override the format's overflow policy.
         round_initial: round the selected parameters onto the grid now (default True), so the
             stored weights are low-precision from the first forward pass.
@@ -102,7 +151,8 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
                  rand_bits: Optional[int] = None, params: ParamSelection = "all",
                  state_format: Union[str, FloatFormat, None] = None, state_rounding: str = "nearest",
                  compensation: Optional[str] = None, overflow: Optional[str] = None,
-                 round_initial: bool = True) -> None:
+                 round_initial: bool = True, compensation_format: Union[str, FloatFormat, None] = None,
+                 master_weights: bool = False) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         for name, value in (("rounding", rounding), ("state_rounding", state_rounding)):
@@ -112,6 +162,13 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
             raise ValueError(f"compensation must be one of None, 'kahan'; got {compensation!r}")
         if compensation == "kahan" and rounding != "nearest":
             raise ValueError("compensation='kahan' is a remedy for round-to-nearest; use rounding='nearest'")
+        if compensation_format is not None and compensation != "kahan":
+            raise ValueError("compensation_format is the format of the Kahan buffer: give compensation='kahan' too")
+        if not isinstance(master_weights, bool):
+            raise TypeError(f"master_weights must be True or False, got {master_weights!r}")
+        if master_weights and (rounding != "nearest" or compensation is not None):
+            raise ValueError("master_weights=True keeps every update in a float32 copy: use it with "
+                             "rounding='nearest' and no compensation")
         self.fmt = get_format(fmt)
         self.overflow = self.fmt.overflow if overflow is None else overflow
         check_overflow_policy(self.fmt, self.overflow)
@@ -126,6 +183,8 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         self.generator = generator
         self.rand_bits = rand_bits
         self.compensation = compensation
+        self.compensation_format = None if compensation_format is None else get_format(compensation_format)
+        self.master_weights = master_weights
         self._selection = params
         all_params = [p for group in optimizer.param_groups for p in group["params"]]
         self.lowprec_params = select_params(all_params, params)
@@ -133,6 +192,8 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
             if p.dtype not in (torch.float32, torch.float64):
                 raise TypeError(f"low-precision parameters are simulated in float32 or float64; got {p.dtype}")
         self._compensation_buffers: dict = {}
+        # the float32 (or float64) values before any rounding: what the optimizer steps
+        self._masters: dict = {p: p.detach().clone() for p in self.lowprec_params} if master_weights else {}
 
         # Share the inner optimizer's bookkeeping, so schedulers and hooks see one object.
         self.defaults = optimizer.defaults
@@ -223,7 +284,8 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         compensation buffers."""
         packs = sum(flat.numel() * flat.element_size() for plan in self.__dict__.get("_pack_cache", {}).values()
                     for _, flat, _ in plan if flat is not None)
-        return packs + sum(b.numel() * b.element_size() for b in self._compensation_buffers.values())
+        buffers = list(self._compensation_buffers.values()) + list(self._masters.values())
+        return packs + sum(b.numel() * b.element_size() for b in buffers)
 
     @torch.optim.Optimizer.profile_hook_step   # runs the step hooks (register_step_pre_hook ...)
     @torch.no_grad()
@@ -231,15 +293,25 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         """One step of the inner optimizer, then store the selected parameters in low precision.
         Step hooks registered on this optimizer run before and after the whole step, rounding
         included."""
+        if self.master_weights:   # the step starts from the master copy (gradients are the rounded weights')
+            for p in self.lowprec_params:
+                p.copy_(self._masters[p])
         loss = self.optimizer.step(closure)
-        if self.compensation == "kahan":
+        if self.master_weights:
+            for p in self.lowprec_params:
+                self._masters[p].copy_(p)
+            self._store(self.lowprec_params, self.fmt, "nearest")
+        elif self.compensation == "kahan":
             for p in self.lowprec_params:
                 buf = self._compensation_buffers.get(p)
                 if buf is None:
                     buf = self._compensation_buffers[p] = torch.zeros_like(p)
                 target = p + buf                     # what the weight should be, residual included
                 stored = quantize(target, self.fmt, overflow=self.overflow)
-                buf.copy_(target - stored)           # exact: target and stored are within an ulp
+                residual = target - stored           # exact: target and stored are within an ulp
+                if self.compensation_format is not None:   # a narrow buffer keeps the residual's leading bits
+                    residual = quantize(residual, self.compensation_format)
+                buf.copy_(residual)
                 p.copy_(stored)
         else:
             self._store(self.lowprec_params, self.fmt, self.rounding)
@@ -262,6 +334,8 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         self.optimizer.add_param_group(param_group)
         new = select_params(self.optimizer.param_groups[-1]["params"], self._selection)
         self.lowprec_params.extend(new)
+        if self.master_weights:
+            self._masters.update({p: p.detach().clone() for p in new})
         with torch.no_grad():
             self._store(new, self.fmt, "nearest")
 
@@ -272,7 +346,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict:
         """The inner optimizer's state dict plus a ``"lowprec"`` entry: format, rounding, the
-        Kahan buffers (by parameter index) and the SR generator's state."""
+        Kahan buffers and master copies (by parameter index) and the SR generator's state."""
         state = self.optimizer.state_dict()
         index, _ = self._param_index()
         gen = self.generator
@@ -283,7 +357,9 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
             "rounding": self.rounding,
             "rand_bits": self.rand_bits,
             "compensation": self.compensation,
+            "compensation_format": None if self.compensation_format is None else self.compensation_format.name,
             "compensation_buffers": {index[id(p)]: b.clone() for p, b in self._compensation_buffers.items()},
+            "master_weights": {index[id(p)]: b.clone() for p, b in self._masters.items()},
             "generator_state": gen.get_state() if isinstance(gen, torch.Generator) else None,
         }
         return state
@@ -306,11 +382,19 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
             order[int(i)]: b.to(device=order[int(i)].device, dtype=order[int(i)].dtype).clone()
             for i, b in extra.get("compensation_buffers", {}).items()
         }
+        for i, b in extra.get("master_weights", {}).items():
+            p = order[int(i)]
+            if p in self._masters:
+                self._masters[p] = b.to(device=p.device, dtype=p.dtype).clone()
         if extra.get("generator_state") is not None and isinstance(self.generator, torch.Generator):
             self.generator.set_state(extra["generator_state"])
 
     def __repr__(self) -> str:
         extra = f", compensation={self.compensation!r}" if self.compensation else ""
+        if self.compensation_format is not None:
+            extra += f", compensation_format={self.compensation_format.name!r}"
+        if self.master_weights:
+            extra += ", master_weights=True"
         state = f", state_format={self.state_format.name!r}" if self.state_format else ""
         return (f"LowPrecisionOptimizer({self.optimizer.__class__.__name__}, fmt={self.fmt.name!r}, "
                 f"rounding={self.rounding!r}, params={len(self.lowprec_params)} tensors{state}{extra})")

@@ -29,7 +29,7 @@ from .prediction import RATIO_BINS, freeze_order
 
 __all__ = ["COLORS", "plot_losses", "plot_frozen", "plot_frozen_by_tensor", "plot_freeze_sweep", "plot_grid",
            "plot_ulp", "plot_ratio_histogram", "provenance_label", "grid_values", "plot_baselines",
-           "plot_element_agreement", "plot_evidence"]
+           "plot_element_agreement", "plot_evidence", "plot_remedies"]
 
 COLORS = {"reference": "#222222", "nearest": "#d62728", "stochastic": "#1f77b4", "kahan": "#2ca02c",
           "predicted": "#ff7f0e", "observed": "#d62728"}
@@ -334,4 +334,24 @@ def plot_ratio_histogram(result, ax=None, fmt: Optional[str] = None):
     ax.set_xlabel("log2(|update| / gap)  (leftmost bar: zero updates and ratios below 2^-24)")
     ax.set_ylabel("fraction of element-steps")
     ax.legend(frameon=False, fontsize=8)
+    return ax
+
+
+def plot_remedies(comparison, ax=None, relative: bool = False, title: Optional[str] = None):
+    """The remedies of a :class:`lowprec_demo.remedies.RemedyComparison`: final evaluation loss
+    minus the fp32 reference's (or, with ``relative``, over it) against the bytes each stores per
+    parameter, one point per remedy."""
+    ax = _ax(ax)
+    rows = comparison.rows()
+    key = "relative" if relative else "gap"
+    for r in rows:
+        marker = "*" if r["remedy"] == "fp32" else ("x" if r["remedy"] in ("nearest", "nearest_state", "floor") else "o")
+        ax.scatter(r["bytes"], r[key], marker=marker, s=60 if marker == "*" else 30)
+        ax.annotate(r["label"], (r["bytes"], r[key]), textcoords="offset points", xytext=(4, 3), fontsize=7)
+    ax.axhline(0, color="0.6", lw=0.8)
+    ax.set_xlabel("bytes stored per parameter (weights, optimizer state, buffers)")
+    ax.set_ylabel(f"final {comparison.metric} - fp32" + (" (relative)" if relative else ""))
+    if relative:
+        ax.yaxis.set_major_formatter(plt.matplotlib.ticker.PercentFormatter(1.0))
+    ax.set_title(title or comparison.main.experiment)
     return ax

@@ -53,6 +53,7 @@ class RunRecord:
     evals: List[dict] = field(default_factory=list)      # {"step": t, "metric": value, ...}
     frozen: Optional[FreezeRecord] = None               # observed, low-precision variants only
     seconds: float = 0.0
+    bytes_per_param: dict = field(default_factory=dict)   # optimizer.bytes_per_parameter at the end
 
     @property
     def final_eval(self) -> dict:
@@ -60,6 +61,8 @@ class RunRecord:
 
     def to_dict(self, max_points: int = 0) -> dict:
         d = {"loss": self.loss, "lr": self.lr, "evals": self.evals, "seconds": self.seconds}
+        if self.bytes_per_param:
+            d["bytes_per_param"] = self.bytes_per_param
         if self.frozen is not None:
             d["frozen_observed"] = self.frozen.overall
             d["frozen_observed_record"] = _thin(self.frozen.to_dict(), max_points)
@@ -68,7 +71,7 @@ class RunRecord:
     @classmethod
     def from_dict(cls, variant: str, d: dict) -> "RunRecord":
         rec = cls(variant=variant, loss=d.get("loss", []), lr=d.get("lr", []), evals=d.get("evals", []),
-                  seconds=d.get("seconds", 0.0))
+                  seconds=d.get("seconds", 0.0), bytes_per_param=d.get("bytes_per_param", {}))
         if "frozen_observed_record" in d:
             rec.frozen = FreezeRecord.from_dict(d["frozen_observed_record"])
         return rec

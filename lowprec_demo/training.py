@@ -7,7 +7,12 @@
 * ``"nearest"``: stored weights on the format's grid, round to nearest, with a
   :class:`FreezeObserver` recording which elements really froze;
 * ``"stochastic"``: the same with stochastic rounding;
-* ``"kahan"``: nearest rounding with Kahan compensation (optional).
+* ``"kahan"``: nearest rounding with Kahan compensation, the buffer in float32 (optional);
+
+and the other remedies of :func:`variant_wrapper` (optional): ``"kahan_lp"`` (the Kahan buffer on
+the format's grid too), ``"master"`` (float32 master weights, the forward pass on the format's
+grid), ``"nearest_state"`` and ``"stochastic_state"`` (the optimizer's state on the format's grid
+too, rounded like the weights).
 
 An experiment describes itself as a :class:`Task` (model, batches, loss, evaluation); the loop
 owns the optimizer, the learning-rate schedule, rounding, tracking and progress bars, and returns
@@ -49,12 +54,36 @@ import torch
 from .config import VARIANTS, TrainConfig, lr_factor
 from .distributed import DataParallel, Distributed, init_distributed, mean_over_ranks, replicas_identical
 from .formats import get_format
-from .optimizer import LowPrecisionOptimizer, select_params
+from .optimizer import LowPrecisionOptimizer, bytes_per_parameter, select_params
 from .prediction import FreezeObserver, FreezePredictor, mask_mismatch
 from .results import RunRecord, TrainResult, provenance
 from .runtime import pick_device, progress_bar
 
-__all__ = ["Task", "train_variants", "train_formats", "Variants"]
+__all__ = ["Task", "train_variants", "train_formats", "Variants", "variant_wrapper"]
+
+
+def variant_wrapper(variant: str, fmt: str) -> dict:
+    """The :class:`LowPrecisionOptimizer` keyword arguments of a low-precision variant in format
+    ``fmt``: ``nearest``, ``stochastic``, ``kahan`` (float32 buffer), ``kahan_lp`` (the buffer on
+    ``fmt``'s grid), ``master`` (float32 master weights), ``nearest_state`` and
+    ``stochastic_state`` (the optimizer's state on ``fmt``'s grid, rounded like the weights).
+
+    Example:
+        >>> variant_wrapper("kahan_lp", "bf16")
+        {'compensation': 'kahan', 'compensation_format': 'bf16'}
+    """
+    wrappers = {
+        "nearest": {},
+        "stochastic": {"rounding": "stochastic"},
+        "kahan": {"compensation": "kahan"},
+        "kahan_lp": {"compensation": "kahan", "compensation_format": fmt},
+        "master": {"master_weights": True},
+        "nearest_state": {"state_format": fmt},
+        "stochastic_state": {"rounding": "stochastic", "state_format": fmt, "state_rounding": "stochastic"},
+    }
+    if variant not in wrappers:
+        raise ValueError(f"variant must be one of {', '.join(wrappers)}; got {variant!r}")
+    return wrappers[variant]
 
 
 @dataclass
@@ -120,10 +149,8 @@ def _run_steps(variant: str, model: torch.nn.Module, task: Task, config: TrainCo
         # the same seed on every process: stochastic rounding draws the same bits everywhere,
         # so data-parallel replicas stay bit-identical
         gen = torch.Generator().manual_seed(config.seed + 1 if config.sr_seed is None else config.sr_seed)
-        opt = LowPrecisionOptimizer(opt, config.format, rounding="stochastic" if variant == "stochastic" else "nearest",
-                                    generator=gen, rand_bits=config.rand_bits,
-                                    params=list(tracked.values()),
-                                    compensation="kahan" if variant == "kahan" else None)
+        opt = LowPrecisionOptimizer(opt, config.format, generator=gen, rand_bits=config.rand_bits,
+                                    params=list(tracked.values()), **variant_wrapper(variant, config.format))
         observer = FreezeObserver(tracked, config.format, keep_masks=keep_masks)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, config))
     record = RunRecord(variant=variant)
@@ -160,6 +187,7 @@ def _run_steps(variant: str, model: torch.nn.Module, task: Task, config: TrainCo
             bar.set_postfix(post)
         yield tracker
     record.seconds = (datetime.now() - start).total_seconds()
+    record.bytes_per_param = bytes_per_parameter(opt)
     if observer is not None:
         record.frozen = observer.record()
     return record, predictor, model
@@ -295,7 +323,7 @@ def train_formats(experiment: str, task: Task, config: TrainConfig, formats: Seq
         per_format = {n: tuple(variants) for n in names}
     bad = [v for vs in per_format.values() for v in vs if v not in VARIANTS or v == "reference"]
     if bad:
-        raise ValueError(f"variants are the low-precision runs, drawn from nearest, stochastic, kahan; got {bad}")
+        raise ValueError(f"variants are the low-precision runs, drawn from {', '.join(VARIANTS[1:])}; got {bad}")
     dist_info, device, progress = _setup(config, progress)
     init = task.make_model(torch.Generator().manual_seed(config.seed))
     ref_config = dataclasses.replace(config, format=names[0], predict_formats=tuple(names[1:]),

@@ -8,7 +8,9 @@
 # (default quick), on OMP_NUM_THREADS threads (default 1: the chapters' tensors are small, and on a
 # 2-core machine two threads that wait on each other make them several times slower). nbval runs
 # in lax mode: a cell fails if it raises, or if it is marked `# NBVAL_CHECK_OUTPUT` and its output
-# differs from the one stored in the notebook.
+# differs from the one stored in the notebook. With pytest-xdist installed (requirements.txt), the
+# test suite and the chapters run on LOWPREC_TEST_WORKERS processes (default: the CPU count, at
+# most 4), a chapter's cells always in one process, in order.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$(date +%s)
@@ -21,12 +23,20 @@ fi
 export LOWPREC_SCALE=${LOWPREC_SCALE:-quick}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
+workers=()
+if python -c "import xdist" 2>/dev/null; then
+    n=${LOWPREC_TEST_WORKERS:-$(python -c "import os; print(min(4, os.cpu_count() or 1))")}
+    if [ "$n" -gt 1 ]; then
+        workers=(-n "$n" --dist loadfile)
+    fi
+fi
+
 status=0
 echo "== stored chapter outputs (tools/stored_outputs.py check)"
 python tools/stored_outputs.py check || status=1
 
-echo "== test suite (tests/) [$(elapsed)]"
-python -m pytest tests "$@" || status=1
+echo "== test suite (tests/) [$(elapsed)]${workers:+ on ${workers[1]} processes}"
+python -m pytest "${workers[@]}" tests "$@" || status=1
 
 notebooks=()
 while IFS= read -r -d '' nb; do
@@ -37,7 +47,8 @@ if [ ${#notebooks[@]} -eq 0 ]; then
     echo "== nbval: no chapter notebook under book/ yet, nothing to execute"
 else
     echo "== chapters with nbval (${#notebooks[@]} notebooks, LOWPREC_SCALE=$LOWPREC_SCALE) [$(elapsed)]"
-    python -m pytest --nbval-lax --nbval-current-env --nbval-cell-timeout=600 -p no:cacheprovider "${notebooks[@]}" || status=1
+    python -m pytest "${workers[@]}" --nbval-lax --nbval-current-env --nbval-cell-timeout=600 -p no:cacheprovider \
+        "${notebooks[@]}" || status=1
 fi
 if [ $status -ne 0 ]; then
     echo "== FAILED after $(elapsed) (see above)"
