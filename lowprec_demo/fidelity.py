@@ -25,7 +25,7 @@ import torch
 from .formats import FloatFormat
 from .rounding import quantize
 
-__all__ = ["sgd_step", "adamw_step"]
+__all__ = ["sgd_step", "adamw_step", "real_and_simulated"]
 
 Format = Union[str, FloatFormat]
 
@@ -114,3 +114,60 @@ def adamw_step(param: torch.Tensor, grad: torch.Tensor, state: dict, *, lr: floa
     denom = _stored(denom / _scalar((1 - beta2**step) ** 0.5, "fp32"), fmt)
     denom = _stored(denom + _scalar(eps, fmt), fmt)
     return _stored(param + _fl32(_fl32(_scalar(-step_size, "fp32") * m) / denom), fmt)
+
+
+def real_and_simulated(lr: float = 1e-3, optimizer: str = "adamw", fmt: str = "bf16", n: int = 1 << 15,
+                       steps: int = 200, seed: int = 0, noise: float = 0.5) -> dict:
+    """Train the same noisy quadratic twice from one start: parameters really stored in ``fmt``
+    (``torch.bfloat16`` or ``torch.float16``) under torch's own optimizer, and float32 parameters
+    under ``LowPrecisionOptimizer`` (the book's simulation), each fed the gradient of its own
+    stored weights. The loss is ``mean(h (w - target)**2 / 2)`` with curvatures ``h`` from 0.1 to
+    10 and gradient noise of standard deviation ``noise``.
+
+    Returns, per run (``"real"``, ``"simulated"``): ``moved`` (per step, the fraction of elements
+    whose stored value changed), ``never_moved`` (the share that never changed) and ``loss`` (per
+    step); and ``second_moment_decreased``: whether any element of the real run's
+    ``exp_avg_sq`` ever decreased (AdamW only).
+
+    Example:
+        >>> r = real_and_simulated(lr=1e-3, n=1024, steps=20)
+        >>> sorted(r)
+        ['real', 'second_moment_decreased', 'simulated']
+    """
+    from .optimizer import LowPrecisionOptimizer   # optimizer imports rounding, as this module does
+
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
+    if fmt not in dtypes:
+        raise ValueError(f"fmt must be one of {', '.join(dtypes)} (a torch dtype); got {fmt!r}")
+    makers = {"adamw": lambda p: torch.optim.AdamW([p], lr=lr), "sgd": lambda p: torch.optim.SGD([p], lr=lr)}
+    if optimizer not in makers:
+        raise ValueError(f"optimizer must be one of {', '.join(makers)}; got {optimizer!r}")
+    g = torch.Generator().manual_seed(seed)
+    target = torch.randn(n, generator=g)
+    h = torch.exp(torch.empty(n).uniform_(-2.302585, 2.302585, generator=g))
+    w0 = torch.randn(n, generator=g)
+    real = torch.nn.Parameter(w0.to(dtypes[fmt]))
+    sim = torch.nn.Parameter(w0.clone())
+    opts = {"real": makers[optimizer](real),
+            "simulated": LowPrecisionOptimizer(makers[optimizer](sim), fmt)}
+    out = {k: {"moved": [], "loss": [], "ever": torch.zeros(n, dtype=torch.bool)} for k in opts}
+    decreased, previous = False, None
+    for t in range(steps):
+        noise_t = noise * torch.randn(n, generator=torch.Generator().manual_seed(10_000 + seed + t))
+        for key, p in (("real", real), ("simulated", sim)):
+            before = p.detach().float().clone()
+            p.grad = (h * (before - target) + noise_t).to(p.dtype)
+            opts[key].step()
+            after = p.detach().float()
+            changed = after != before
+            out[key]["ever"] |= changed
+            out[key]["moved"].append(changed.float().mean().item())
+            out[key]["loss"].append((0.5 * h * (after - target) ** 2).mean().item())
+        if optimizer == "adamw":
+            v = opts["real"].state[real]["exp_avg_sq"].float()
+            decreased = decreased or (previous is not None and bool((v < previous).any()))
+            previous = v.clone()
+    result = {k: {"moved": r["moved"], "loss": r["loss"], "never_moved": 1 - r["ever"].float().mean().item()}
+              for k, r in out.items()}
+    result["second_moment_decreased"] = decreased
+    return result
