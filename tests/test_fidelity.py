@@ -552,3 +552,16 @@ def test_package_sr_frequency_at_quarter_points(fmt):
         sel = f == p
         sigma = math.sqrt(p * (1 - p) / int(sel.sum()))
         assert abs(away[sel].double().mean().item() - p) < 5 * sigma
+
+
+def test_real_and_simulated_runs_both_and_checks_its_arguments():
+    from lowprec_demo.fidelity import real_and_simulated
+    r = real_and_simulated(lr=1e-3, n=4096, steps=30)
+    assert len(r["real"]["moved"]) == len(r["simulated"]["moved"]) == 30
+    assert not r["second_moment_decreased"]        # bf16 AdamW at beta2 = 0.999: v never decays
+    sgd = real_and_simulated(lr=1e-2, optimizer="sgd", n=4096, steps=30)
+    assert max(abs(a - b) for a, b in zip(sgd["real"]["moved"], sgd["simulated"]["moved"])) < 0.02
+    with pytest.raises(ValueError, match="bf16, fp16"):
+        real_and_simulated(fmt="e4m3")
+    with pytest.raises(ValueError, match="adamw, sgd"):
+        real_and_simulated(optimizer="lion")
