@@ -337,21 +337,39 @@ def plot_ratio_histogram(result, ax=None, fmt: Optional[str] = None):
     return ax
 
 
-def plot_remedies(comparison, ax=None, relative: bool = False, title: Optional[str] = None):
+def plot_remedies(comparison, ax=None, relative: bool = False, title: Optional[str] = None, legend: bool = True):
     """The remedies of a :class:`lowprec_demo.remedies.RemedyComparison`: final evaluation loss
     minus the fp32 reference's (or, with ``relative``, over it) against the bytes each stores per
-    parameter, one point per remedy."""
+    parameter, one point per remedy. Remedies that store the same bytes sit side by side around
+    their value; crosses mark those that keep round to nearest, the star the reference."""
     ax = _ax(ax)
     rows = comparison.rows()
     key = "relative" if relative else "gap"
+    colors = {"fp32": "#222222", "nearest": "#d62728", "stochastic": "#1f77b4", "kahan": "#2ca02c",
+              "kahan_lp": "#98df8a", "master": "#9467bd", "nearest_state": "#ff7f0e", "stochastic_state": "#17becf",
+              "floor": "#8c564b"}       # one colour per remedy, whatever the panel; few-bit SR in shades of blue
+
+    def color(name):
+        if name in colors:
+            return colors[name]
+        k = int(name[2:]) if name.startswith("sr") and name[2:].isdigit() else 8
+        return plt.get_cmap("Blues")(0.35 + 0.6 * min(max(k - 2, 0), 6) / 6)
+    groups: dict = {}
     for r in rows:
-        marker = "*" if r["remedy"] == "fp32" else ("x" if r["remedy"] in ("nearest", "nearest_state", "floor") else "o")
-        ax.scatter(r["bytes"], r[key], marker=marker, s=60 if marker == "*" else 30)
-        ax.annotate(r["label"], (r["bytes"], r[key]), textcoords="offset points", xytext=(4, 3), fontsize=7)
+        groups.setdefault(r["bytes"], []).append(r)
+    for r in rows:
+        same = groups[r["bytes"]]
+        x = r["bytes"] + 0.14 * (same.index(r) - (len(same) - 1) / 2)
+        marker = "*" if r["remedy"] == "fp32" else ("X" if r["remedy"] in ("nearest", "nearest_state", "floor") else "o")
+        ax.scatter(x, r[key], marker=marker, s=90 if marker == "*" else 45, color=color(r["remedy"]),
+                   edgecolors="black", linewidths=0.4, label=r["label"], zorder=3)
     ax.axhline(0, color="0.6", lw=0.8)
+    ax.set_xticks(sorted(groups))
     ax.set_xlabel("bytes stored per parameter (weights, optimizer state, buffers)")
     ax.set_ylabel(f"final {comparison.metric} - fp32" + (" (relative)" if relative else ""))
     if relative:
         ax.yaxis.set_major_formatter(plt.matplotlib.ticker.PercentFormatter(1.0))
+    if legend:
+        ax.legend(fontsize=7, frameon=False, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.set_title(title or comparison.main.experiment)
     return ax

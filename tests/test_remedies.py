@@ -160,6 +160,12 @@ def test_compare_remedies_on_a_small_model():
     timed = {r["remedy"]: r["time"] for r in c.rows(bench)}
     assert timed["fp32"] == 1.0 and timed["sr2"] == 1.06 and timed["floor"] == 1.03 and timed["master"] is None
     assert c.table().count("\n") == len(rows) + 1
+    import matplotlib
+    matplotlib.use("Agg")
+    from lowprec_demo import plots
+    ax = plots.plot_remedies(c, relative=True)
+    assert len(ax.collections) == len(rows)              # one point per remedy
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == [r["label"] for r in c.rows()]
 
 
 def test_compare_remedies_checks_its_arguments():
