@@ -103,7 +103,8 @@ class RemedyComparison:
         return list(r.prediction.move_fraction), [1 - f for f in r.runs["stochastic"].frozen.overall]
 
     def moved_error(self, k: Optional[int] = None) -> float:
-        """Mean |predicted - observed| moved fraction over the run (see :meth:`moved`)."""
+        """The mean absolute difference between the predicted and the observed moved fraction over
+        the run (see :meth:`moved`)."""
         pred, obs = self.moved(k)
         return sum(abs(a - b) for a, b in zip(pred, obs)) / len(obs)
 
