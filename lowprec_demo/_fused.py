@@ -3,12 +3,12 @@
 Eager PyTorch makes one pass over memory per operation, so exact rounding written as ten tensor
 operations costs ten passes where a native cast costs two. Here each computation is one plain
 PyTorch function of integer operations on float32 bit patterns, handed to ``torch.compile``
-(inductor: C++ loops on the CPU, Triton on GPUs) so that it runs as one loop. Stochastic
-rounding and the freeze statistics fall back to running the same function eagerly, so the two
-paths compute the same bits by construction; round to nearest falls back to the package's
-generic code in :mod:`lowprec_demo.rounding` (or torch's own float8 cast). ``tests/test_bench.py``
-checks the compiled kernels against the eager code on the exhaustive point sets of the exactness
-suite.
+(inductor: C++ loops on the CPU, Triton on GPUs) so that it runs as one loop. Without the
+compiler the same functions run eagerly, so the two paths compute the same bits by
+construction (round to nearest may take torch's own cast instead, where that is the same
+rounding); the eager code of :mod:`lowprec_demo.rounding` for float32 is these functions too.
+``tests/test_rounding.py`` checks them against an exact reference, ``tests/test_bench.py`` the
+compiled kernels against them on the exhaustive point sets of the exactness suite.
 
 Integer arithmetic on bit patterns leaves nothing to the compiler's floating-point flags (inductor
 compiles C++ with ``-fno-signed-zeros``; Triton divides approximately unless told otherwise):
@@ -29,15 +29,15 @@ Stochastic rounding (``sr_fp32``)
     position is resolved to j bits (``round_half_even(frac / 2**(d - j))``) and the value moves
     away from zero when the top j bits of the 32-bit hash of (seed, element index) are below it:
     probability ``round_half_even(frac * 2**k / 2**d) / 2**k``, which is the exact ``frac / 2**d``
-    whenever ``d <= k``. The hash is :func:`lowprec_demo.rounding.random_bits`, computed on int32
-    lanes. (Tensors of 2**31 elements or more take the eager path of ``rounding``.)
+    whenever ``d <= k``. The hash is :func:`hash32` (:func:`lowprec_demo.rounding.random_bits`
+    gives the same bits). (Tensors of 2**31 elements or more take the eager path of ``rounding``.)
 
 Freeze statistics (``freeze_code_fp32``)
     For a reference update ``new - old``: the freeze rule of
     :func:`lowprec_demo.rounding.would_freeze`, the SR move probability ``min(1, |d|/gap)``, the
     few-bit freeze, and the bin of ``log2(|d|/gap)``, packed into one byte per element, and the sum
-    of the move probabilities. The stored weight ``q(old)`` is rounded by a shorter formula than
-    ``rne_fp32``'s (:func:`_rne_magnitude`; the tests hold the two to the same bits). The counts
+    of the move probabilities. The stored weight ``q(old)`` is rounded by ``rne_fp32``'s own
+    formula on magnitudes (:func:`_rne_magnitude`). The counts
     come from :func:`torch.bincount` of the bytes, which stalls when long runs of elements share
     a code (each increment waits for the one before): ``freeze_code_paired_fp32`` lays the bytes
     out so that two neighbours read as one int16 entry and consecutive entries alternate between
@@ -85,7 +85,7 @@ import torch
 from .formats import FloatFormat
 
 __all__ = ["status", "set_mode", "get_mode", "compile_all", "nearest_params", "stochastic_params",
-           "freeze_params", "rne_fp32", "sr_fp32", "freeze_code_fp32", "freeze_code_tagged_fp32",
+           "freeze_params", "seed_words", "hash32", "rne_fp32", "sr_fp32", "freeze_code_fp32", "freeze_code_tagged_fp32",
            "freeze_code_paired_fp32", "freeze_code_paired_m0_fp32", "freeze_code_paired_1f_fp32",
            "freeze_code_paired", "paired_kernel", "one_factor_gaps", "paired_counts", "paired_sums",
            "fold_paired", "fold_bytes",
@@ -120,8 +120,11 @@ def _overflow_bits(fmt: FloatFormat, policy: str) -> int:
     return {"inf": _INF_BITS, "saturate": _f32_bits(fmt.max), "nan": _NAN_BITS}[policy]
 
 
-def nearest_params(fmt: FloatFormat, policy: str) -> list:
-    """``[m, e_min + 127, bits of max, bits of the overflow value]`` for :func:`rne_fp32`."""
+def nearest_params(fmt: FloatFormat, policy: Optional[str]) -> list:
+    """``[m, e_min + 127, bits of max, bits of the overflow value]`` for :func:`rne_fp32`;
+    policy None: the grid continued above max (up to float32's own overflow to inf)."""
+    if policy is None:
+        return [fmt.man_bits, fmt.e_min + 127, _INF_BITS, _INF_BITS]
     return [fmt.man_bits, fmt.e_min + 127, _f32_bits(fmt.max), _overflow_bits(fmt, policy)]
 
 
@@ -130,7 +133,7 @@ def stochastic_params(fmt: FloatFormat, policy: str, rand_bits: Optional[int], s
     seed words as int32, index of the first element]`` for :func:`sr_fp32`; k = 32 for full
     resolution."""
     k = 32 if rand_bits is None else rand_bits
-    s1, s2 = (w - (1 << 32) if w >= 1 << 31 else w for w in _seed_words(seed, 0))  # as int32
+    s1, s2 = seed_words(seed)
     return [fmt.man_bits, fmt.e_min + 127, k, _f32_bits(fmt.max), _overflow_bits(fmt, policy),
             _f32_bits(fmt.smallest_subnormal), s1, s2, 0]
 
@@ -147,23 +150,32 @@ def freeze_params(fmt: FloatFormat, rand_bits: Optional[int]) -> list:
             stuck, (127 - k - 1) << 23, k, _INF_BITS if fmt.overflow == "inf" else 0]
 
 
-def _seed_words(seed: int, stream: int) -> tuple:
-    """The two 32-bit words the hash of :func:`lowprec_demo.rounding.random_bits` mixes in."""
-    return seed & _M32, ((seed >> 32) ^ (0x9E3779B9 * (stream + 1))) & _M32
+def seed_words(seed: int, stream: int = 0) -> tuple:
+    """The two 32-bit words that :func:`hash32` mixes in for a 64-bit seed and a stream
+    number, as int32 values (patterns of 2**31 and more read as negative)."""
+    words = seed & _M32, ((seed >> 32) ^ (0x9E3779B9 * (stream + 1))) & _M32
+    return tuple(w - (1 << 32) if w >= 1 << 31 else w for w in words)
 
 
 # ------------------------------------------------------------------------------------------------
 # the kernels: plain PyTorch functions, run compiled or eagerly
 # ------------------------------------------------------------------------------------------------
 def _mix32(h: torch.Tensor) -> torch.Tensor:
-    """The finaliser of :func:`lowprec_demo.rounding.random_bits` on int32 lanes holding 32-bit
-    patterns: products wrap modulo 2**32 and ``>> 16`` is made logical by a mask, so the bits
-    are those of the int64 version (16 lanes per AVX-512 vector instead of 8)."""
+    """A 32-bit integer finaliser (xor-shift-multiply, multiplier 0x45d9f3b), bijective on
+    32-bit patterns held in int32 lanes: products wrap modulo 2**32 and ``>> 16`` is made
+    logical by a mask (16 lanes per AVX-512 vector)."""
     h = h ^ ((h >> 16) & 0xFFFF)
     h = h * 0x45D9F3B
     h = h ^ ((h >> 16) & 0xFFFF)
     h = h * 0x45D9F3B
     return h ^ ((h >> 16) & 0xFFFF)
+
+
+def hash32(index: torch.Tensor, s1, s2) -> torch.Tensor:
+    """The 32 random bits of element ``index`` (int32 lanes, read as unsigned) for the seed
+    words ``s1, s2`` of :func:`seed_words` (as int32): the one hash of the package, behind
+    :func:`sr_fp32` and :func:`lowprec_demo.rounding.random_bits`."""
+    return _mix32(_mix32(index ^ s1) ^ s2)
 
 
 def _decompose(u: torch.Tensor, man_bits, emin_b):
@@ -195,14 +207,9 @@ def rne_fp32(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """Round-to-nearest-even of a float32 tensor onto the grid that ``p`` (int32,
     :func:`nearest_params`) describes, with its overflow policy; the sign (of zero too) is kept
     and NaN stays NaN."""
-    man_bits, emin_b, max_bits, over_bits = p[0], p[1], p[2], p[3]
     sign, u, nan = _unpack(x)
-    top, s, d = _decompose(u, man_bits, emin_b)
-    d = torch.clamp(d, max=25)             # d >= 25 rounds every significand (< 2**24) to 0
-    half = (1 << d) >> 1
-    odd = (s >> d) & torch.clamp(half, max=1)   # the last kept bit, for ties (none when d = 0)
-    q = ((s + (half - 1 + odd).clamp(min=0)) >> d) << d
-    return _repack(torch.where(q == 0, 0, top + q), sign, nan, max_bits, over_bits)
+    out = _rne_magnitude(u, p[0], p[1], p[2], p[3])
+    return (torch.where(nan, _NAN_BITS, out) | sign).view(torch.float32)
 
 
 def sr_fp32(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -223,7 +230,7 @@ def sr_fp32(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     scale = ((torch.clamp(j - d, min=-30) + 127) << 23).view(torch.float32)
     position = torch.round(frac.to(torch.float32) * scale).to(torch.int32)
     index = torch.arange(x.numel(), dtype=torch.int32, device=x.device) + first
-    r = _mix32(_mix32(index ^ s1) ^ s2)
+    r = hash32(index, s1, s2)
     # P * 2**(32 - j) modulo 2**32 (j = 0 only with P = 0); shift counts stay below 32 (Triton
     # leaves larger ones undefined)
     threshold = position << torch.clamp(32 - j, max=31)
@@ -316,21 +323,17 @@ def pair_pattern(n: int, device, layout: str = "paired") -> torch.Tensor:
 
 def _rne_magnitude(u: torch.Tensor, man_bits, emin_b, max_bits, over_bits) -> torch.Tensor:
     """Round to nearest even of non-negative float32 bit patterns ``u`` (at most those of
-    infinity) onto the grid, beyond the format's max the overflow value: the magnitude that
-    :func:`rne_fp32` computes, in fewer operations. From the smallest normal of the format up,
-    the spacing is ``2**sh`` units of the pattern (``sh = 23 - m``): add half of it less one
-    plus the last kept bit (of the significand with its leading one), clear the low bits, and
-    a carry runs into the exponent. Below it the spacing is one number ``2**(e_min - m)``: the
-    float32 sum ``a + 2**(e_min - m + 23)`` lies in the binade whose spacing that is (``a``
-    is below ``2**e_min``, and ``m <= 23``), so the addition rounds ``a`` to the grid, to even,
-    and subtracting the constant again is exact."""
-    sh = 23 - man_bits
-    half = (1 << sh) >> 1
-    bias_base, lsb_mask = torch.clamp(half - 1, min=0), torch.clamp(half, max=1)   # 0 and 0 when sh = 0
-    normal = (u + bias_base + (((u | 0x800000) >> sh) & lsb_mask)) & -(1 << sh)
-    c = ((emin_b + sh) << 23).view(torch.float32)
-    small = ((u.view(torch.float32) + c) - c).view(torch.int32)
-    out = torch.where((u >> 23) < emin_b, small, normal)
+    infinity) onto the grid, beyond the format's max the overflow value: the significand ``S``
+    of :func:`_decompose` rounded to a multiple of ``2**d`` by ml_dtypes' bias expression
+    (add ``2**(d-1) - 1`` plus the last kept bit, clear the low ``d`` bits; nothing when
+    ``d = 0``), and ``(E' - 1) << 23`` added back, so that a carry runs into the exponent. For
+    ``d >= 25`` every significand (below ``2**24``) rounds to 0."""
+    top, s, d = _decompose(u, man_bits, emin_b)
+    d = torch.clamp(d, max=25)
+    half = (1 << d) >> 1
+    odd = (s >> d) & torch.clamp(half, max=1)   # the last kept bit, for ties (none when d = 0)
+    q = ((s + (half - 1 + odd).clamp(min=0)) >> d) << d
+    out = torch.where(q == 0, 0, top + q)
     return torch.where(out > max_bits, over_bits, out)
 
 
