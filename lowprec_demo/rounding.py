@@ -55,7 +55,7 @@ import torch
 from . import _fused
 from .formats import FloatFormat, check_overflow_policy, get_format
 
-__all__ = ["quantize", "ulp", "would_freeze", "move_probability", "update_ulp_ratio",
+__all__ = ["quantize", "quantize_", "ulp", "would_freeze", "move_probability", "update_ulp_ratio",
            "ROUNDING_MODES", "random_bits"]
 
 ROUNDING_MODES = ("nearest", "stochastic")
@@ -338,6 +338,44 @@ def quantize(x: torch.Tensor, fmt: Union[str, FloatFormat], rounding: str = "nea
         return _fused.stochastic(x, fmt, policy, rand_bits, seed)
     r = _stochastic_general(x.abs(), fmt, seed, rand_bits)
     return _apply_overflow(r, fmt, policy).copysign_(x)
+
+
+def quantize_(x: torch.Tensor, fmt: Union[str, FloatFormat], rounding: str = "nearest",
+              generator: GeneratorLike = None, rand_bits: Optional[int] = None,
+              overflow: Optional[str] = None) -> torch.Tensor:
+    """Round every element of ``x`` onto the grid of ``fmt`` in place and return ``x``: the
+    same bits as ``x.copy_(quantize(x, fmt, rounding, generator, rand_bits, overflow))``, with
+    the same arguments, and no gradient recorded.
+
+    RNE: ``q(x)`` is the grid value nearest to ``x`` (a tie to the even neighbour); SR: the
+    neighbour away from zero with probability ``(|x| - lo) / gap``, so ``E[q(x)] = x``.
+
+    A contiguous float32 tensor is rounded where it lies: by torch's own cast where that is the
+    same rounding, else by the kernels of :mod:`lowprec_demo._fused`, compiled when the mode
+    says so (:func:`lowprec_demo._fused.set_mode`) and run eagerly otherwise; any other tensor
+    through :func:`quantize`.
+
+    Example:
+        >>> quantize_(torch.tensor([1.0 + 2**-9, 3.0]), "e2m1").tolist()
+        [1.0, 3.0]
+    """
+    fmt = get_format(fmt)
+    _check_tensor(x)
+    if rounding not in ROUNDING_MODES:
+        raise ValueError(f"rounding must be one of {', '.join(ROUNDING_MODES)}; got {rounding!r}")
+    _check_rand_bits(rand_bits)
+    policy = fmt.overflow if overflow is None else overflow
+    check_overflow_policy(fmt, policy)
+    _check_narrow(x.dtype, fmt)
+    with torch.no_grad():
+        if x.dtype != torch.float32 or not x.is_contiguous() or x.numel() > _fused.MAX_NUMEL:
+            return x.copy_(quantize(x, fmt, rounding, generator, rand_bits, policy))
+        if rounding == "stochastic":
+            return _fused.stochastic_(x, fmt, policy, rand_bits, _draw_seed(generator))
+        native = _native_dtype(x, fmt, policy)
+        if native == x.dtype:  # the grid holds every float32 value: nothing to do
+            return x
+        return _fused.nearest_(x, fmt, policy, eager=(lambda: x.copy_(x.to(native))) if native is not None else None)
 
 
 def _generic_nearest(x: torch.Tensor, fmt: FloatFormat, policy: str) -> torch.Tensor:
