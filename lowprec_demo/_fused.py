@@ -3,12 +3,12 @@
 Eager PyTorch makes one pass over memory per operation, so exact rounding written as ten tensor
 operations costs ten passes where a native cast costs two. Here each computation is one plain
 PyTorch function of integer operations on float32 bit patterns, handed to ``torch.compile``
-(inductor: C++ loops on the CPU, Triton on GPUs) so that it runs as one loop. Stochastic
-rounding and the freeze statistics fall back to running the same function eagerly, so the two
-paths compute the same bits by construction; round to nearest falls back to the package's
-generic code in :mod:`lowprec_demo.rounding` (or torch's own float8 cast). ``tests/test_bench.py``
-checks the compiled kernels against the eager code on the exhaustive point sets of the exactness
-suite.
+(inductor: C++ loops on the CPU, Triton on GPUs) so that it runs as one loop. Without the
+compiler the same functions run eagerly, so the two paths compute the same bits by
+construction (round to nearest may take torch's own cast instead, where that is the same
+rounding); the eager code of :mod:`lowprec_demo.rounding` for float32 is these functions too.
+``tests/test_rounding.py`` checks them against an exact reference, ``tests/test_bench.py`` the
+compiled kernels against them on the exhaustive point sets of the exactness suite.
 
 Integer arithmetic on bit patterns leaves nothing to the compiler's floating-point flags (inductor
 compiles C++ with ``-fno-signed-zeros``; Triton divides approximately unless told otherwise):
@@ -29,15 +29,15 @@ Stochastic rounding (``sr_fp32``)
     position is resolved to j bits (``round_half_even(frac / 2**(d - j))``) and the value moves
     away from zero when the top j bits of the 32-bit hash of (seed, element index) are below it:
     probability ``round_half_even(frac * 2**k / 2**d) / 2**k``, which is the exact ``frac / 2**d``
-    whenever ``d <= k``. The hash is :func:`lowprec_demo.rounding.random_bits`, computed on int32
-    lanes. (Tensors of 2**31 elements or more take the eager path of ``rounding``.)
+    whenever ``d <= k``. The hash is :func:`hash32` (:func:`lowprec_demo.rounding.random_bits`
+    gives the same bits). (Tensors of 2**31 elements or more take the eager path of ``rounding``.)
 
 Freeze statistics (``freeze_code_fp32``)
     For a reference update ``new - old``: the freeze rule of
     :func:`lowprec_demo.rounding.would_freeze`, the SR move probability ``min(1, |d|/gap)``, the
     few-bit freeze, and the bin of ``log2(|d|/gap)``, packed into one byte per element, and the sum
-    of the move probabilities. The stored weight ``q(old)`` is rounded by a shorter formula than
-    ``rne_fp32``'s (:func:`_rne_magnitude`; the tests hold the two to the same bits). The counts
+    of the move probabilities. The stored weight ``q(old)`` is rounded by ``rne_fp32``'s own
+    formula on magnitudes (:func:`_rne_magnitude`). The counts
     come from :func:`torch.bincount` of the bytes, which stalls when long runs of elements share
     a code (each increment waits for the one before): ``freeze_code_paired_fp32`` lays the bytes
     out so that two neighbours read as one int16 entry and consecutive entries alternate between
@@ -52,16 +52,15 @@ Freeze statistics (``freeze_code_fp32``)
 
 When is the compiled version used?
     ``LOWPREC_FUSED`` (environment) or :func:`set_mode`: ``"off"`` never, ``"on"`` for every
-    tensor of 2 or more elements, ``"auto"`` (default) once the elements a kernel would have
-    processed eagerly add up to 2**25 (a single call that large compiles at once). Compiling
-    costs seconds once per process (half a minute the first time on a machine, a few seconds
-    once inductor's disk cache is warm), so it is paid only when the eager work it saves would
-    have cost about as much: a chapter that rounds a few small tensors never waits for it,
-    a GPT-2 step compiles at once. If compilation fails (no C++ compiler, an unsupported
-    platform), the eager path is used from then on and :func:`status` says why. Once compiled,
-    calls of at least :data:`DIRECT_NUMEL` elements that match the first call's kind of
-    arguments go straight to the compiled graph (:class:`_Direct`), past the per-call checks
-    of ``torch.compile`` that cost as much as the kernel on a small model.
+    tensor of 2 or more elements, ``"auto"`` (default) once a kernel's eager work, this call
+    included, reaches :data:`EAGER_BUDGET` elements (a single call that large compiles at
+    once). Compiling costs 6-13 s once per process on a CPU (the lower figure once inductor's
+    disk cache is warm), and the eager functions, run in slices that stay in the cache, cost
+    about 40 ns an element more than the compiled ones, so compiling pays after about 2**27
+    elements: a chapter that rounds a few tensors never waits for it, a GPT-2 step compiles at
+    once. If compiling fails (no C++ compiler, an unsupported platform), the same functions
+    run eagerly from then on and :func:`status` says why; it also counts the calls that ran
+    each way.
 
 Example:
     >>> import torch
@@ -76,7 +75,6 @@ from __future__ import annotations
 import os
 import struct
 import sys
-import threading
 import time
 from typing import Dict, Optional
 
@@ -85,7 +83,7 @@ import torch
 from .formats import FloatFormat
 
 __all__ = ["status", "set_mode", "get_mode", "compile_all", "nearest_params", "stochastic_params",
-           "freeze_params", "rne_fp32", "sr_fp32", "freeze_code_fp32", "freeze_code_tagged_fp32",
+           "freeze_params", "seed_words", "hash32", "rne_fp32", "sr_fp32", "freeze_code_fp32", "freeze_code_tagged_fp32",
            "freeze_code_paired_fp32", "freeze_code_paired_m0_fp32", "freeze_code_paired_1f_fp32",
            "freeze_code_paired", "paired_kernel", "one_factor_gaps", "paired_counts", "paired_sums",
            "fold_paired", "fold_bytes",
@@ -95,7 +93,7 @@ __all__ = ["status", "set_mode", "get_mode", "compile_all", "nearest_params", "s
            "pack", "copy_into", "fits", "MODES", "CODE_BINS", "BLOCK"]
 
 MODES = ("auto", "on", "off")
-EAGER_BUDGET = 1 << 25         # "auto": compile once this many elements went through eagerly
+EAGER_BUDGET = 1 << 27         # "auto": compile once a kernel's eager work would reach this many elements
 MIN_NUMEL = 2                  # torch.compile specialises sizes 0 and 1: keep those eager
 MAX_NUMEL = (1 << 31) - 1      # int32 element indices: larger tensors take the eager float64-style path
 
@@ -120,8 +118,11 @@ def _overflow_bits(fmt: FloatFormat, policy: str) -> int:
     return {"inf": _INF_BITS, "saturate": _f32_bits(fmt.max), "nan": _NAN_BITS}[policy]
 
 
-def nearest_params(fmt: FloatFormat, policy: str) -> list:
-    """``[m, e_min + 127, bits of max, bits of the overflow value]`` for :func:`rne_fp32`."""
+def nearest_params(fmt: FloatFormat, policy: Optional[str]) -> list:
+    """``[m, e_min + 127, bits of max, bits of the overflow value]`` for :func:`rne_fp32`;
+    policy None: the grid continued above max (up to float32's own overflow to inf)."""
+    if policy is None:
+        return [fmt.man_bits, fmt.e_min + 127, _INF_BITS, _INF_BITS]
     return [fmt.man_bits, fmt.e_min + 127, _f32_bits(fmt.max), _overflow_bits(fmt, policy)]
 
 
@@ -130,7 +131,7 @@ def stochastic_params(fmt: FloatFormat, policy: str, rand_bits: Optional[int], s
     seed words as int32, index of the first element]`` for :func:`sr_fp32`; k = 32 for full
     resolution."""
     k = 32 if rand_bits is None else rand_bits
-    s1, s2 = (w - (1 << 32) if w >= 1 << 31 else w for w in _seed_words(seed, 0))  # as int32
+    s1, s2 = seed_words(seed)
     return [fmt.man_bits, fmt.e_min + 127, k, _f32_bits(fmt.max), _overflow_bits(fmt, policy),
             _f32_bits(fmt.smallest_subnormal), s1, s2, 0]
 
@@ -147,23 +148,32 @@ def freeze_params(fmt: FloatFormat, rand_bits: Optional[int]) -> list:
             stuck, (127 - k - 1) << 23, k, _INF_BITS if fmt.overflow == "inf" else 0]
 
 
-def _seed_words(seed: int, stream: int) -> tuple:
-    """The two 32-bit words the hash of :func:`lowprec_demo.rounding.random_bits` mixes in."""
-    return seed & _M32, ((seed >> 32) ^ (0x9E3779B9 * (stream + 1))) & _M32
+def seed_words(seed: int, stream: int = 0) -> tuple:
+    """The two 32-bit words that :func:`hash32` mixes in for a 64-bit seed and a stream
+    number, as int32 values (patterns of 2**31 and more read as negative)."""
+    words = seed & _M32, ((seed >> 32) ^ (0x9E3779B9 * (stream + 1))) & _M32
+    return tuple(w - (1 << 32) if w >= 1 << 31 else w for w in words)
 
 
 # ------------------------------------------------------------------------------------------------
 # the kernels: plain PyTorch functions, run compiled or eagerly
 # ------------------------------------------------------------------------------------------------
 def _mix32(h: torch.Tensor) -> torch.Tensor:
-    """The finaliser of :func:`lowprec_demo.rounding.random_bits` on int32 lanes holding 32-bit
-    patterns: products wrap modulo 2**32 and ``>> 16`` is made logical by a mask, so the bits
-    are those of the int64 version (16 lanes per AVX-512 vector instead of 8)."""
+    """A 32-bit integer finaliser (xor-shift-multiply, multiplier 0x45d9f3b), bijective on
+    32-bit patterns held in int32 lanes: products wrap modulo 2**32 and ``>> 16`` is made
+    logical by a mask (16 lanes per AVX-512 vector)."""
     h = h ^ ((h >> 16) & 0xFFFF)
     h = h * 0x45D9F3B
     h = h ^ ((h >> 16) & 0xFFFF)
     h = h * 0x45D9F3B
     return h ^ ((h >> 16) & 0xFFFF)
+
+
+def hash32(index: torch.Tensor, s1, s2) -> torch.Tensor:
+    """The 32 random bits of element ``index`` (int32 lanes, read as unsigned) for the seed
+    words ``s1, s2`` of :func:`seed_words` (as int32): the one hash of the package, behind
+    :func:`sr_fp32` and :func:`lowprec_demo.rounding.random_bits`."""
+    return _mix32(_mix32(index ^ s1) ^ s2)
 
 
 def _decompose(u: torch.Tensor, man_bits, emin_b):
@@ -195,14 +205,9 @@ def rne_fp32(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """Round-to-nearest-even of a float32 tensor onto the grid that ``p`` (int32,
     :func:`nearest_params`) describes, with its overflow policy; the sign (of zero too) is kept
     and NaN stays NaN."""
-    man_bits, emin_b, max_bits, over_bits = p[0], p[1], p[2], p[3]
     sign, u, nan = _unpack(x)
-    top, s, d = _decompose(u, man_bits, emin_b)
-    d = torch.clamp(d, max=25)             # d >= 25 rounds every significand (< 2**24) to 0
-    half = (1 << d) >> 1
-    odd = (s >> d) & torch.clamp(half, max=1)   # the last kept bit, for ties (none when d = 0)
-    q = ((s + (half - 1 + odd).clamp(min=0)) >> d) << d
-    return _repack(torch.where(q == 0, 0, top + q), sign, nan, max_bits, over_bits)
+    out = _rne_magnitude(u, p[0], p[1], p[2], p[3])
+    return (torch.where(nan, _NAN_BITS, out) | sign).view(torch.float32)
 
 
 def sr_fp32(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -223,7 +228,7 @@ def sr_fp32(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     scale = ((torch.clamp(j - d, min=-30) + 127) << 23).view(torch.float32)
     position = torch.round(frac.to(torch.float32) * scale).to(torch.int32)
     index = torch.arange(x.numel(), dtype=torch.int32, device=x.device) + first
-    r = _mix32(_mix32(index ^ s1) ^ s2)
+    r = hash32(index, s1, s2)
     # P * 2**(32 - j) modulo 2**32 (j = 0 only with P = 0); shift counts stay below 32 (Triton
     # leaves larger ones undefined)
     threshold = position << torch.clamp(32 - j, max=31)
@@ -316,21 +321,17 @@ def pair_pattern(n: int, device, layout: str = "paired") -> torch.Tensor:
 
 def _rne_magnitude(u: torch.Tensor, man_bits, emin_b, max_bits, over_bits) -> torch.Tensor:
     """Round to nearest even of non-negative float32 bit patterns ``u`` (at most those of
-    infinity) onto the grid, beyond the format's max the overflow value: the magnitude that
-    :func:`rne_fp32` computes, in fewer operations. From the smallest normal of the format up,
-    the spacing is ``2**sh`` units of the pattern (``sh = 23 - m``): add half of it less one
-    plus the last kept bit (of the significand with its leading one), clear the low bits, and
-    a carry runs into the exponent. Below it the spacing is one number ``2**(e_min - m)``: the
-    float32 sum ``a + 2**(e_min - m + 23)`` lies in the binade whose spacing that is (``a``
-    is below ``2**e_min``, and ``m <= 23``), so the addition rounds ``a`` to the grid, to even,
-    and subtracting the constant again is exact."""
-    sh = 23 - man_bits
-    half = (1 << sh) >> 1
-    bias_base, lsb_mask = torch.clamp(half - 1, min=0), torch.clamp(half, max=1)   # 0 and 0 when sh = 0
-    normal = (u + bias_base + (((u | 0x800000) >> sh) & lsb_mask)) & -(1 << sh)
-    c = ((emin_b + sh) << 23).view(torch.float32)
-    small = ((u.view(torch.float32) + c) - c).view(torch.int32)
-    out = torch.where((u >> 23) < emin_b, small, normal)
+    infinity) onto the grid, beyond the format's max the overflow value: the significand ``S``
+    of :func:`_decompose` rounded to a multiple of ``2**d`` by ml_dtypes' bias expression
+    (add ``2**(d-1) - 1`` plus the last kept bit, clear the low ``d`` bits; nothing when
+    ``d = 0``), and ``(E' - 1) << 23`` added back, so that a carry runs into the exponent. For
+    ``d >= 25`` every significand (below ``2**24``) rounds to 0."""
+    top, s, d = _decompose(u, man_bits, emin_b)
+    d = torch.clamp(d, max=25)
+    half = (1 << d) >> 1
+    odd = (s >> d) & torch.clamp(half, max=1)   # the last kept bit, for ties (none when d = 0)
+    q = ((s + (half - 1 + odd).clamp(min=0)) >> d) << d
+    out = torch.where(q == 0, 0, top + q)
     return torch.where(out > max_bits, over_bits, out)
 
 
@@ -438,33 +439,6 @@ def frozen_blocks_u8(codes: torch.Tensor) -> torch.Tensor:
     return ((codes.to(torch.int32) >> 1) & 1).to(torch.float32).view(-1, BLOCK).sum(1)
 
 
-EAGER_CHUNK = 1 << 22       # eagerly, big tensors go in slices: ~20 temporaries of a slice each
-
-
-def _sr_eager(x: torch.Tensor, p: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """:func:`sr_fp32` run eagerly slice by slice into ``out`` (the same bits: each slice is told
-    the index of its first element)."""
-    for start in range(0, x.numel(), EAGER_CHUNK):
-        q = p.clone()
-        q[8] += start
-        out[start:start + EAGER_CHUNK] = sr_fp32(x[start:start + EAGER_CHUNK], q)
-    return out
-
-
-def _freeze_eager(fn, old: torch.Tensor, new: torch.Tensor, *rest):
-    """A freeze kernel run eagerly slice by slice: every argument as long as ``old`` (a tag, an
-    output buffer, a layout pattern) sliced alike, the parameters whole; codes concatenated,
-    move sums added."""
-    n = old.numel()
-    if n <= EAGER_CHUNK:
-        return fn(old, new, *rest)
-    parts = [fn(*(t[start:start + EAGER_CHUNK] if t.dim() and t.numel() == n else t for t in (old, new, *rest)))
-             for start in range(0, n, EAGER_CHUNK)]
-    if isinstance(parts[0], tuple):
-        return torch.cat([code for code, _ in parts]), sum(moved for _, moved in parts)
-    return sum(parts)
-
-
 def _rne_fp32_(x: torch.Tensor, p: torch.Tensor) -> None:
     x.copy_(rne_fp32(x, p))
 
@@ -474,240 +448,102 @@ def _sr_fp32_(x: torch.Tensor, p: torch.Tensor) -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-# compiling, with the eager function as the fallback
+# running a kernel: compiled when asked or when the work pays for it, else the same function eagerly
 # ------------------------------------------------------------------------------------------------
-_lock = threading.Lock()
-_state = {"mode": os.environ.get("LOWPREC_FUSED", "auto").strip().lower() or "auto"}
-if _state["mode"] in ("1", "true", "yes"):
-    _state["mode"] = "on"
-elif _state["mode"] in ("0", "false", "no"):
-    _state["mode"] = "off"
-elif _state["mode"] not in MODES:
-    _state["mode"] = "auto"
+EAGER_CHUNK = 1 << 16   # eagerly, tensors go in slices this long: each temporary stays in the L2 cache
 
 
-DIRECT_NUMEL = 1 << 12        # calls at least this large skip torch.compile's per-call checks (_Direct)
-_DIRECT_CHECK_NUMEL = 1 << 13  # the length of the slices a direct call is checked on, at most
-
-
-class _Direct:
-    """A kernel's compiled graph called without torch.compile's per-call machinery.
-
-    Every call of a ``torch.compile`` function first runs its guards and wrappers: about 40 us
-    here, as much as the kernel itself takes on a small model's packed tensors (the quick
-    nanoGPT's 0.1M parameters). The graph dynamo captured on the first call is compiled by
-    inductor as usual (the backend below is what ``backend="inductor"`` runs) and kept; a later
-    call passes its tensors and their lengths straight to it when they are what the graph was
-    built for: the same dtypes, device and one dimension, contiguous, of the lengths the guards
-    tie together (every tensor as long as the first one, or of a fixed length like the format
-    parameters), with at least :data:`DIRECT_NUMEL` elements and a multiple of the kernel's
-    ``multiple``. Anything else goes through the compiled function and its guards. The direct
-    call is used only once it gave the eager function's bits (outputs and arguments it writes)
-    on slices of the first call's tensors; the tests compare it with the eager code on the
-    exactness suite's points."""
-
-    def __init__(self, compiled, getters: list, specs: list, outputs: str, multiple: int, device) -> None:
-        self.compiled, self.getters, self.specs = compiled, getters, specs
-        self.outputs, self.multiple, self.device = outputs, multiple, device
-
-    def fits(self, args) -> bool:
-        n = args[0].numel()
-        if n < DIRECT_NUMEL or n % self.multiple or len(args) != len(self.specs):
-            return False
-        for a, (dtype, length) in zip(args, self.specs):
-            if (not torch.is_tensor(a) or a.dtype != dtype or a.dim() != 1 or a.device != self.device
-                    or not a.is_contiguous() or a.numel() != (n if length is None else length)):
-                return False
-        return True
-
-    def __call__(self, args):
-        out = self.compiled(*[args[i] if d is None else args[i].shape[d] for i, d in self.getters])
-        if self.outputs == "none":
-            return None
-        return out[0] if self.outputs == "tensor" else tuple(out)
-
-    @classmethod
-    def build(cls, fn, graphs: list, args: tuple, multiple: int):
-        """The direct call of the one graph in ``graphs`` (``(graph module, compiled)``, from
-        the first call with ``args``), or None with the reason why not."""
-        import inspect
-        import re
-        if len(graphs) != 1:
-            return None, f"{len(graphs)} graphs"
-        gm, compiled = graphs[0]
-        names = list(inspect.signature(fn).parameters)
-        inputs = []   # per placeholder: (the argument it is, or None for a length; its example value)
-        for node in gm.graph.nodes:
-            if node.op == "placeholder":
-                value = node.meta.get("example_value")
-                match = re.fullmatch(r"l_(\w+)_", node.name)
-                if torch.is_tensor(value) and not (match and match.group(1) in names):
-                    return None, f"an input it cannot name: {node.name}"
-                inputs.append((names.index(match.group(1)) if torch.is_tensor(value) else None, value, node.name))
-        sizes = {i: [str(size) for size in value.shape] for i, value, _ in inputs if i is not None}
-        getters = []
-        for i, value, name in inputs:
-            if i is not None:
-                getters.append((i, None))
-                continue
-            where = [(j, d) for j, dims in sizes.items() for d, size in enumerate(dims) if size == str(value)]
-            if not isinstance(value, torch.SymInt) or not where:
-                return None, f"an input it cannot name: {name}"
-            getters.append(where[0])
-        if sorted(i for i, d in getters if d is None) != list(range(len(args))):
-            return None, "not every argument is a tensor input of the graph"
-        n = args[0].numel()
-        if n < DIRECT_NUMEL:   # (the graph of a short first call may be specialised to it)
-            return None, f"first call shorter than {DIRECT_NUMEL} elements"
-        specs = [(a.dtype, None if a.numel() == n else a.numel()) for a in args]
-        # check on slices of another length than the first call's: the eager function and the
-        # direct call, each on its own copies
-        m = min(n - multiple, _DIRECT_CHECK_NUMEL) // multiple * multiple
-
-        def copies():
-            return [a[:m].clone() if a.numel() == n else a.clone() for a in args]
-        want_args, got_args = copies(), copies()
-        want = fn(*want_args)
-        outputs = "none" if want is None else "tensor" if torch.is_tensor(want) else "tuple"
-        direct = cls(compiled, getters, specs, outputs, multiple, args[0].device)
-        got = direct(got_args)
-        flat_want = [] if want is None else [want] if torch.is_tensor(want) else list(want)
-        flat_got = [] if got is None else [got] if torch.is_tensor(got) else list(got)
-        if len(flat_want) != len(flat_got):
-            return None, "outputs differ in number"
-        for a, b in zip(flat_want + want_args, flat_got + got_args):
-            if a.shape != b.shape or a.dtype != b.dtype:
-                return None, "outputs differ in shape or dtype"
-            if a.dim() == 0 and a.is_floating_point():   # a sum: the order of the additions differs
-                same = torch.allclose(a, b, rtol=1e-9, atol=0, equal_nan=True)
-            else:
-                same = torch.equal(a.view(torch.uint8) if a.dim() else a, b.view(torch.uint8) if b.dim() else b)
-            if not same:
-                return None, "different results"
-        return direct, "used"
+def _sliced(fn, args: tuple, first: Optional[int] = None):
+    """``fn(*args)`` run eagerly slice by slice: every argument as long as the first one sliced
+    alike, the others whole; with ``first``, the parameter tensor (the last argument) told at
+    that position where each slice starts. Returned tensors are concatenated, 0-dim ones (sums)
+    added: the bits of one call."""
+    n = args[0].numel()
+    if n <= EAGER_CHUNK:
+        return fn(*args)
+    parts = []
+    for start in range(0, n, EAGER_CHUNK):
+        sliced = [a[start:start + EAGER_CHUNK] if a.dim() and a.numel() == n else a for a in args]
+        if first is not None:
+            sliced[-1] = sliced[-1].clone()
+            sliced[-1][first] += start
+        parts.append(fn(*sliced))
+    if parts[0] is None:
+        return None
+    joined = [sum(ps) if ps[0].dim() == 0 else torch.cat(ps) for ps in zip(*[p if isinstance(p, tuple) else (p,) for p in parts])]
+    return tuple(joined) if isinstance(parts[0], tuple) else joined[0]
 
 
 class _Kernel:
-    """A kernel function with its compiled versions (one per device type), the time the first
-    compiled call took, the eager work done so far and why compiling failed, if it did.
-    ``multiple``: the element counts the kernel takes are multiples of it."""
+    """A kernel function with its compiled versions (``torch.compile``, one per device type),
+    the time each first compiled call took, the calls that ran each way and why compiling
+    failed, if it did. ``first``: where its parameters hold the index of the first element."""
 
-    def __init__(self, fn, name: str, multiple: int = 1) -> None:
-        self.fn = fn
-        self.name = name
-        self.multiple = multiple
+    def __init__(self, fn, name: str, first: Optional[int] = None) -> None:
+        self.fn, self.name, self.first = fn, name, first
         self.compiled: Dict[str, object] = {}
-        self.direct: Dict[str, _Direct] = {}
-        self.direct_note: Dict[str, str] = {}
         self.compile_seconds: Dict[str, float] = {}
         self.failed: Dict[str, str] = {}
         self.eager_numel = 0
-        self.calls = {"compiled": 0, "direct": 0, "eager": 0}
-
-    def _want_compiled(self, numel: int, device_type: str) -> bool:
-        mode = _state["mode"]
-        if mode == "off" or numel < MIN_NUMEL or device_type in self.failed:
-            return False
-        if mode == "on" or device_type in self.compiled:
-            return True
-        return self.eager_numel + numel > EAGER_BUDGET
+        self.calls = {"compiled": 0, "eager": 0}
 
     def __call__(self, *args, eager=None):
-        """Run compiled when the mode says so, else ``eager()`` (or the function itself)."""
-        x = args[0]
-        device_type = x.device.type
-        if not self._want_compiled(x.numel(), device_type):
-            return self._eager(args, eager)
-        direct = self.direct.get(device_type)
-        if direct is not None and direct.fits(args):
+        """Compiled when the mode says so, else ``eager()`` (by default the function itself)."""
+        n, device = args[0].numel(), args[0].device.type
+        mode = _state["mode"]
+        if (mode != "off" and n >= MIN_NUMEL and device not in self.failed
+                and (mode == "on" or device in self.compiled or self.eager_numel + n > EAGER_BUDGET)):
             try:
-                return self._direct(direct, args)
-            except Exception as error:   # (its input checks run before it writes anything)
-                self.direct.pop(device_type, None)
-                self.direct_note[device_type] = f"dropped after {type(error).__name__}: {str(error).strip()[:200]}"
-        fn = self.compiled.get(device_type)
-        try:
-            if fn is not None and not torch.is_grad_enabled():
-                out = fn(*args)
-            else:
-                with torch.no_grad():  # one grad mode: no recompilation for callers with grad on
-                    out = fn(*args) if fn is not None else self._compile(device_type, args)
-        except Exception as error:  # no compiler, unsupported platform...: the eager path
-            message = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
-            self.failed[device_type] = f"{type(error).__name__}: {message}"
-            self.compiled.pop(device_type, None)
-            self.direct.pop(device_type, None)
-            return self._eager(args, eager)
-        self.calls["compiled"] += 1
-        return out
-
-    def _direct(self, direct: _Direct, args):
-        self.calls["direct"] += 1
-        if torch.is_grad_enabled():
-            with torch.no_grad():
-                return direct(args)
-        return direct(args)
+                with torch.no_grad():   # one grad mode: no recompiling for callers with grad on
+                    out = self.compiled_call(device)(*args)
+                self.calls["compiled"] += 1
+                return out
+            except Exception as error:  # no compiler, unsupported platform...: eagerly from now on
+                lines = str(error).strip().splitlines()
+                self.failed[device] = f"{type(error).__name__}: {lines[0][:300] if lines else ''}"
+                self.compiled.pop(device, None)
+        self.eager_numel += n
+        self.calls["eager"] += 1
+        return _sliced(self.fn, args, self.first) if eager is None else eager()
 
     def compiled_call(self, device_type: str):
-        """The compiled kernel as the package calls it: directly where :class:`_Direct` takes
-        the arguments, else through ``torch.compile``'s function (for tests)."""
-        fn = self.compiled[device_type]
+        """The compiled function for the device type, made (not yet compiled) on first use; its
+        first call is timed."""
+        fn = self.compiled.get(device_type)
+        if fn is not None:
+            return fn
+        compiled = torch.compile(self.fn, dynamic=True, fullgraph=True)
 
-        def call(*args):
-            direct = self.direct.get(device_type)
-            return self._direct(direct, args) if direct is not None and direct.fits(args) else fn(*args)
-        return call
-
-    def _compile(self, device_type: str, args):
-        with _lock:
-            fn = self.compiled.get(device_type)
-            if fn is not None:
-                return fn(*args)
-            graphs = []
-            try:
-                from torch._dynamo import lookup_backend
-                registered = lookup_backend("inductor")
-            except Exception:   # (no direct calls then)
-                registered = None
-
-            def inductor(gm, example_inputs):   # backend="inductor", keeping the graph
-                compiled = registered(gm, example_inputs)
-                graphs.append((gm, compiled))
-                return compiled
-            fn = torch.compile(self.fn, dynamic=True, fullgraph=True,
-                               backend="inductor" if registered is None else inductor)
+        def first_call(*args):
             start = time.perf_counter()
-            out = fn(*args)
+            out = compiled(*args)
             self.compile_seconds[device_type] = time.perf_counter() - start
-            self.compiled[device_type] = fn
-            try:
-                direct, note = _Direct.build(self.fn, list(graphs), args, self.multiple)
-            except Exception as error:   # the compiled function's checks stay in place
-                direct, note = None, f"{type(error).__name__}: {str(error).strip()[:200]}"
-            if direct is not None:
-                self.direct[device_type] = direct
-            self.direct_note[device_type] = note
+            self.compiled[device_type] = compiled
             return out
-
-    def _eager(self, args, eager):
-        self.eager_numel += args[0].numel()
-        self.calls["eager"] += 1
-        return self.fn(*args) if eager is None else eager()
+        self.compiled[device_type] = first_call
+        return first_call
 
 
+def _env_mode() -> str:
+    mode = os.environ.get("LOWPREC_FUSED", "auto").strip().lower()
+    return {"1": "on", "true": "on", "yes": "on", "0": "off", "false": "off", "no": "off"}.get(
+        mode, mode if mode in MODES else "auto")
+
+
+_state = {"mode": _env_mode()}
 _KERNELS = {
     "nearest": _Kernel(rne_fp32, "nearest"),
     "nearest_": _Kernel(_rne_fp32_, "nearest_"),
-    "stochastic": _Kernel(sr_fp32, "stochastic"),
-    "stochastic_": _Kernel(_sr_fp32_, "stochastic_"),
+    "stochastic": _Kernel(sr_fp32, "stochastic", first=8),
+    "stochastic_": _Kernel(_sr_fp32_, "stochastic_", first=8),
     "freeze": _Kernel(freeze_code_fp32, "freeze"),
     "freeze_tagged": _Kernel(freeze_code_tagged_fp32, "freeze_tagged"),
     "freeze_paired": _Kernel(freeze_code_paired_fp32, "freeze_paired"),
     "freeze_paired_m0": _Kernel(freeze_code_paired_m0_fp32, "freeze_paired_m0"),
     "freeze_paired_1f": _Kernel(freeze_code_paired_1f_fp32, "freeze_paired_1f"),
     "equal_count": _Kernel(equal_count_fp32, "equal_count"),
-    "changed_blocks": _Kernel(changed_blocks_fp32, "changed_blocks", multiple=BLOCK),
-    "frozen_blocks": _Kernel(frozen_blocks_u8, "frozen_blocks", multiple=BLOCK),
+    "changed_blocks": _Kernel(changed_blocks_fp32, "changed_blocks"),
+    "frozen_blocks": _Kernel(frozen_blocks_u8, "frozen_blocks"),
 }
 
 
@@ -736,8 +572,7 @@ def status() -> dict:
 
     Example: ``status()["mode"]`` -> ``"auto"``."""
     return {"mode": _state["mode"], "torch": torch.__version__,
-            "kernels": {name: {"compiled": sorted(k.compiled), "direct": dict(k.direct_note),
-                               "compile_seconds": dict(k.compile_seconds),
+            "kernels": {name: {"compiled": sorted(k.compile_seconds), "compile_seconds": dict(k.compile_seconds),
                                "failed": dict(k.failed), "calls": dict(k.calls)}
                         for name, k in _KERNELS.items()}}
 
@@ -745,7 +580,7 @@ def status() -> dict:
 def reset() -> None:
     """Forget compiled kernels, failures and eager work (for tests and benchmarks)."""
     for name, k in list(_KERNELS.items()):
-        _KERNELS[name] = _Kernel(k.fn, name, k.multiple)
+        _KERNELS[name] = _Kernel(k.fn, name, k.first)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -788,7 +623,7 @@ def stochastic(x: torch.Tensor, fmt: FloatFormat, policy: str, rand_bits: Option
     hash of (seed, i)."""
     p = torch.tensor(stochastic_params(fmt, policy, rand_bits, seed), dtype=torch.int32, device=x.device)
     flat = x.reshape(-1)
-    out = _KERNELS["stochastic"](flat, p, eager=lambda: _sr_eager(flat, p, torch.empty_like(flat)))
+    out = _KERNELS["stochastic"](flat, p)
     return out.view(x.shape)
 
 
@@ -796,13 +631,13 @@ def stochastic_(x: torch.Tensor, fmt: FloatFormat, policy: str, rand_bits: Optio
     """SR of a contiguous float32 tensor, in place (the same bits as :func:`stochastic`)."""
     p = torch.tensor(stochastic_params(fmt, policy, rand_bits, seed), dtype=torch.int32, device=x.device)
     flat = x.view(-1)
-    _KERNELS["stochastic_"](flat, p, eager=lambda: _sr_eager(flat, p, flat))
+    _KERNELS["stochastic_"](flat, p)
     return x
 
 
 def equal_count(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """:func:`equal_count_fp32` of two flat float32 tensors (eagerly: ``torch.eq(a, b).sum()``)."""
-    return _KERNELS["equal_count"](a, b, eager=lambda: torch.eq(a, b).sum())
+    """:func:`equal_count_fp32` of two flat float32 tensors, compiled or eagerly."""
+    return _KERNELS["equal_count"](a, b)
 
 
 def changed_blocks(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -821,9 +656,8 @@ def freeze_code(old: torch.Tensor, new: torch.Tensor, fmt: FloatFormat, rand_bit
     :func:`freeze_code_tagged_fp32`."""
     p = _cached_params("freeze", fmt, None, rand_bits, old.device)
     if tag is None:
-        return _KERNELS["freeze"](old, new, p, eager=lambda: _freeze_eager(freeze_code_fp32, old, new, p))
-    return _KERNELS["freeze_tagged"](old, new, tag, p,
-                                     eager=lambda: _freeze_eager(freeze_code_tagged_fp32, old, new, tag, p))
+        return _KERNELS["freeze"](old, new, p)
+    return _KERNELS["freeze_tagged"](old, new, tag, p)
 
 
 def freeze_code_paired(old: torch.Tensor, new: torch.Tensor, fmt: FloatFormat, out: torch.Tensor,
@@ -832,9 +666,8 @@ def freeze_code_paired(old: torch.Tensor, new: torch.Tensor, fmt: FloatFormat, o
     of :func:`pair_pattern` (``"paired"``: an even number of elements); returns the move sum
     (no few-bit prediction)."""
     p = _cached_params("freeze", fmt, None, None, old.device)
-    name, fn = paired_kernel(fmt)
     pattern = pair_pattern(old.numel(), old.device, layout)
-    return _KERNELS[name](old, new, p, out, pattern, eager=lambda: _freeze_eager(fn, old, new, p, out, pattern))
+    return _KERNELS[paired_kernel(fmt)[0]](old, new, p, out, pattern)
 
 
 def paired_kernel(fmt: FloatFormat) -> tuple:

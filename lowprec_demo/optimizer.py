@@ -44,7 +44,7 @@ import torch
 
 from . import _fused
 from .formats import FloatFormat, check_overflow_policy, get_format
-from .rounding import ROUNDING_MODES, GeneratorLike, _draw_seed, _native_dtype, quantize
+from .rounding import ROUNDING_MODES, GeneratorLike, quantize, quantize_
 
 __all__ = ["LowPrecisionOptimizer", "select_params", "bytes_per_parameter", "PARAM_SELECTIONS", "COMPENSATIONS"]
 
@@ -259,16 +259,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         return plan
 
     def _store_flat(self, t: torch.Tensor, fmt: FloatFormat, rounding: str, policy: str) -> None:
-        if rounding == "stochastic":
-            _fused.stochastic_(t, fmt, policy, self.rand_bits, _draw_seed(self.generator))
-            return
-        native = _native_dtype(t, fmt, policy)
-        if native == t.dtype:  # the grid holds every float32 value: nothing to do
-            return
-        if native is not None:  # eagerly, torch's own cast is the fastest exact rounding
-            _fused.nearest_(t, fmt, policy, eager=lambda: t.copy_(t.to(native)))
-        else:
-            _fused.nearest_(t, fmt, policy, eager=lambda: t.copy_(quantize(t, fmt, overflow=policy)))
+        quantize_(t, fmt, rounding, generator=self.generator, rand_bits=self.rand_bits, overflow=policy)
 
     @torch.no_grad()
     def round_params(self, rounding: str = "nearest") -> None:

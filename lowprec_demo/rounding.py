@@ -55,7 +55,7 @@ import torch
 from . import _fused
 from .formats import FloatFormat, check_overflow_policy, get_format
 
-__all__ = ["quantize", "ulp", "would_freeze", "move_probability", "update_ulp_ratio",
+__all__ = ["quantize", "quantize_", "ulp", "would_freeze", "move_probability", "update_ulp_ratio",
            "ROUNDING_MODES", "random_bits"]
 
 ROUNDING_MODES = ("nearest", "stochastic")
@@ -127,19 +127,6 @@ def _check_rand_bits(rand_bits: Optional[int]) -> None:
 # ------------------------------------------------------------------------------------------------
 # random bits: a counter-based hash of (seed, element index)
 # ------------------------------------------------------------------------------------------------
-def _mix32(h: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer finaliser (xor-shift-multiply, multiplier 0x45d9f3b), bijective on
-    [0, 2^32). Products stay below 2^59, so int64 arithmetic never overflows. In place."""
-    h ^= h >> 16
-    h *= 0x45D9F3B
-    h &= _M32
-    h ^= h >> 16
-    h *= 0x45D9F3B
-    h &= _M32
-    h ^= h >> 16
-    return h
-
-
 def _draw_seed(generator: GeneratorLike) -> int:
     """A 64-bit seed for one call: taken from the generator (advancing it), or the int given."""
     if isinstance(generator, bool):
@@ -154,20 +141,19 @@ def _draw_seed(generator: GeneratorLike) -> int:
 
 def random_bits(shape, seed: int, stream: int = 0, device=None) -> torch.Tensor:
     """32 random bits per element (int64 values in [0, 2^32)), a pure function of
-    ``(seed, stream, element index)``: identical on every device and process.
+    ``(seed, stream, element index)``: identical on every device and process. The hash is
+    :func:`lowprec_demo._fused.hash32`, the one the stochastic-rounding kernel draws.
 
     Example:
         >>> random_bits((3,), seed=1).tolist() == random_bits((3,), seed=1).tolist()
         True
     """
     numel = math.prod(shape)
-    h = torch.arange(numel, dtype=torch.int64, device=device)
-    s1, s2 = _fused._seed_words(seed, stream)  # (the fused SR kernel mixes the same words)
-    h ^= s1
-    _mix32(h)
-    h ^= s2
-    _mix32(h)
-    return h.view(shape)
+    if numel > 1 << 32:
+        raise ValueError(f"random_bits numbers at most 2**32 elements (32-bit indices); got {numel}")
+    index = torch.arange(numel, dtype=torch.int32 if numel <= 1 << 31 else torch.int64, device=device)
+    s1, s2 = _fused.seed_words(seed, stream)
+    return (_fused.hash32(index.to(torch.int32), s1, s2).to(torch.int64) & _M32).view(shape)
 
 
 def _uniform_ints(shape, nbits: int, seed: int, device) -> torch.Tensor:
@@ -202,29 +188,6 @@ def _biased_exponent(a: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------
 # round to nearest, ties to even, on magnitudes (exponent unbounded above)
 # ------------------------------------------------------------------------------------------------
-def _nearest_bits(a: torch.Tensor, drop: int) -> torch.Tensor:
-    """RNE of a non-negative float32 tensor to ``23 - drop`` mantissa bits by integer arithmetic on
-    its bit pattern, in place. Valid for formats with fp32's exponent range (E = 8): their
-    subnormals line up with fp32's, and a carry out of the mantissa runs into the exponent (and on
-    to the pattern of inf) exactly as rounding does.
-
-    A tie goes to the neighbour that is an even multiple of the gap: the one whose last kept bit
-    is 0. With no mantissa bit kept (m = 0) that bit would be the exponent's; there the upper
-    neighbour of a tie between normal numbers, 2**(e+1), is always the even multiple (of 2**e),
-    as in the float64 path."""
-    spec = _SPECS[a.dtype]
-    u = a.view(spec.itype)
-    nan = u > spec.exp_all_ones
-    if drop < spec.man_bits:
-        lsb = (u >> drop) & 1
-    else:  # m = 0: odd for every normal number, even for 0 (a tie with the smallest normal)
-        lsb = (u >= (1 << spec.man_bits)).to(spec.itype)
-    u += lsb
-    u += (1 << (drop - 1)) - 1
-    u &= ~((1 << drop) - 1)
-    return a.masked_fill_(nan, math.nan)
-
-
 def _nearest_magic(a: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
     """RNE of non-negative ``a`` onto ``fmt``'s grid, in place, by one floating-point addition.
 
@@ -245,7 +208,11 @@ def _nearest_magic(a: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
 
 
 def _nearest_magnitude(a: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
-    """RNE of non-negative ``a`` onto the grid of ``fmt`` continued above ``max``; in place."""
+    """RNE of non-negative ``a`` onto the grid of ``fmt`` continued above ``max``; in place.
+    float32: the kernel :func:`lowprec_demo._fused.rne_fp32` (run as the caller's mode says);
+    float64: one exact floating-point addition (:func:`_nearest_magic`)."""
+    if a.dtype == torch.float32:
+        return a.copy_(_fused.nearest(a, fmt, None))
     spec = _SPECS[a.dtype]
     drop = spec.man_bits - fmt.man_bits
     if drop == 0:
@@ -255,8 +222,6 @@ def _nearest_magnitude(a: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
             small = a < fmt.smallest_normal
             a.copy_(torch.where(small, _nearest_magic(a.clone(), fmt), a))
         return a
-    if a.dtype == torch.float32 and fmt.exp_bits == 8:
-        return _nearest_bits(a, drop)
     return _nearest_magic(a, fmt)
 
 
@@ -364,16 +329,53 @@ def quantize(x: torch.Tensor, fmt: Union[str, FloatFormat], rounding: str = "nea
         if native is not None and (native in (torch.bfloat16, torch.float16) or x.dtype != torch.float32):
             return x.to(native).to(x.dtype)
         if x.dtype == torch.float32:
-            # compiled when worth it (the CPU's float8 casts are slow), else torch's cast or the
-            # eager code below
-            eager = (lambda: x.to(native).float()) if native is not None else (lambda: _generic_nearest(x, fmt, policy))
-            return _fused.nearest(x, fmt, policy, eager=eager)
+            # the kernel, compiled when worth it (the CPU's float8 casts are slow); else torch's
+            # cast where there is one, or the kernel function run eagerly
+            return _fused.nearest(x, fmt, policy, eager=(lambda: x.to(native).float()) if native is not None else None)
         return _generic_nearest(x, fmt, policy)
     seed = _draw_seed(generator)
     if x.dtype == torch.float32 and x.numel() <= _fused.MAX_NUMEL:
         return _fused.stochastic(x, fmt, policy, rand_bits, seed)
     r = _stochastic_general(x.abs(), fmt, seed, rand_bits)
     return _apply_overflow(r, fmt, policy).copysign_(x)
+
+
+def quantize_(x: torch.Tensor, fmt: Union[str, FloatFormat], rounding: str = "nearest",
+              generator: GeneratorLike = None, rand_bits: Optional[int] = None,
+              overflow: Optional[str] = None) -> torch.Tensor:
+    """Round every element of ``x`` onto the grid of ``fmt`` in place and return ``x``: the
+    same bits as ``x.copy_(quantize(x, fmt, rounding, generator, rand_bits, overflow))``, with
+    the same arguments, and no gradient recorded.
+
+    RNE: ``q(x)`` is the grid value nearest to ``x`` (a tie to the even neighbour); SR: the
+    neighbour away from zero with probability ``(|x| - lo) / gap``, so ``E[q(x)] = x``.
+
+    A contiguous float32 tensor is rounded where it lies: by torch's own cast where that is the
+    same rounding, else by the kernels of :mod:`lowprec_demo._fused`, compiled when the mode
+    says so (:func:`lowprec_demo._fused.set_mode`) and run eagerly otherwise; any other tensor
+    through :func:`quantize`.
+
+    Example:
+        >>> quantize_(torch.tensor([1.0 + 2**-9, 3.0]), "e2m1").tolist()
+        [1.0, 3.0]
+    """
+    fmt = get_format(fmt)
+    _check_tensor(x)
+    if rounding not in ROUNDING_MODES:
+        raise ValueError(f"rounding must be one of {', '.join(ROUNDING_MODES)}; got {rounding!r}")
+    _check_rand_bits(rand_bits)
+    policy = fmt.overflow if overflow is None else overflow
+    check_overflow_policy(fmt, policy)
+    _check_narrow(x.dtype, fmt)
+    with torch.no_grad():
+        if x.dtype != torch.float32 or not x.is_contiguous() or x.numel() > _fused.MAX_NUMEL:
+            return x.copy_(quantize(x, fmt, rounding, generator, rand_bits, policy))
+        if rounding == "stochastic":
+            return _fused.stochastic_(x, fmt, policy, rand_bits, _draw_seed(generator))
+        native = _native_dtype(x, fmt, policy)
+        if native == x.dtype:  # the grid holds every float32 value: nothing to do
+            return x
+        return _fused.nearest_(x, fmt, policy, eager=(lambda: x.copy_(x.to(native))) if native is not None else None)
 
 
 def _generic_nearest(x: torch.Tensor, fmt: FloatFormat, policy: str) -> torch.Tensor:

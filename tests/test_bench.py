@@ -53,47 +53,6 @@ def compiled():
     return {name: k.compiled_call("cpu") for name, k in kernels.items()}
 
 
-def test_compiled_kernels_are_called_directly(compiled):
-    """Every kernel's compiled graph passed the check against the eager function and is called
-    without torch.compile's per-call checks where the arguments fit (long, contiguous, as at
-    the first call), and through them otherwise."""
-    for name, kernel in _fused._KERNELS.items():
-        assert kernel.direct_note["cpu"] == "used", (name, kernel.direct_note)
-    x = torch.randn(5 * _fused.DIRECT_NUMEL)
-    kernel = _fused._KERNELS["changed_blocks"]
-    before = dict(kernel.calls)
-    for a, b in ((x, x + 1), (x[:64 * 3], x[:64 * 3]), (x[::2], x[1::2])):   # direct, short, strided
-        want = (~torch.eq(a, b)).view(-1, _fused.BLOCK).sum(1).float()
-        assert torch.equal(compiled["changed_blocks"](a.contiguous(), b.contiguous()), want)
-        assert torch.equal(_fused.changed_blocks(a, b), want)
-    # direct: both long calls and the fixture's contiguous copies; compiled: the short and strided ones
-    assert kernel.calls["direct"] - before["direct"] == 3 and kernel.calls["compiled"] - before["compiled"] == 2
-    assert not _fused._KERNELS["nearest"].direct["cpu"].fits((x.double(), torch.zeros(9, dtype=torch.int32)))
-
-
-def test_a_failing_direct_call_falls_back_to_the_compiled_function(compiled):
-    kernel = _fused._KERNELS["changed_blocks"]
-    direct, note = kernel.direct["cpu"], kernel.direct_note["cpu"]
-
-    class Failing:
-        def __getattr__(self, name):
-            return getattr(direct, name)
-
-        def __call__(self, args):
-            raise AssertionError("expected size")
-    try:
-        kernel.direct["cpu"] = Failing()
-        a = torch.randn(4 * _fused.DIRECT_NUMEL)
-        b = a.clone()
-        b[::3] += 1
-        want = (~torch.eq(a, b)).view(-1, _fused.BLOCK).sum(1).float()
-        assert torch.equal(_fused.changed_blocks(a, b), want)
-        assert "cpu" not in kernel.direct and kernel.direct_note["cpu"].startswith("dropped after AssertionError")
-        assert torch.equal(_fused.changed_blocks(a, b), want)
-    finally:
-        kernel.direct["cpu"], kernel.direct_note["cpu"] = direct, note
-
-
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal bit patterns, any NaN matching any NaN."""
     a, b = a.reshape(-1), b.reshape(-1)
@@ -557,6 +516,36 @@ def test_a_failing_compiler_falls_back_to_the_eager_path(monkeypatch):
         _fused._KERNELS.clear()
         _fused._KERNELS.update(saved)
     assert torch.equal(a, quantize(x, "e5m3", "stochastic", generator=5))
+
+
+def test_auto_mode_compiles_once_the_eager_work_reaches_the_budget(monkeypatch):
+    """"auto" runs a kernel eagerly until its eager work would reach EAGER_BUDGET elements,
+    then compiled; status() counts both; the bits are the same (long calls run eagerly in
+    slices, nearest and the block counts included)."""
+    saved = dict(_fused._KERNELS)
+    _fused.reset()
+    monkeypatch.setattr(_fused, "EAGER_BUDGET", 3000)
+    monkeypatch.setattr(_fused, "EAGER_CHUNK", 640)
+    previous = _fused.set_mode("auto")
+    try:
+        x = sample_fp32(get_format("e5m3"), 9, n=1000)[:1984]
+        first = [quantize(x, "e5m3", "stochastic", generator=5), quantize(x, "e5m3"),
+                 _fused.changed_blocks(x, x.flip(0))]
+        kernels = _fused.status()["kernels"]
+        for name in ("stochastic", "nearest", "changed_blocks"):
+            assert kernels[name]["calls"] == {"compiled": 0, "eager": 1}, name
+        second = [quantize(x, "e5m3", "stochastic", generator=5), quantize(x, "e5m3"),
+                  _fused.changed_blocks(x, x.flip(0))]
+        kernels = _fused.status()["kernels"]
+        for name in ("stochastic", "nearest", "changed_blocks"):
+            if "cpu" not in kernels[name]["failed"]:   # (where torch.compile works here)
+                assert kernels[name]["calls"] == {"compiled": 1, "eager": 1}, name
+                assert kernels[name]["compiled"] == ["cpu"] and kernels[name]["compile_seconds"]["cpu"] > 0
+        assert all(same_bits(a, b) for a, b in zip(first, second))
+    finally:
+        _fused.set_mode(previous)
+        _fused._KERNELS.clear()
+        _fused._KERNELS.update(saved)
 
 
 def test_modes():
