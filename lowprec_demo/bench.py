@@ -15,7 +15,10 @@ Measures in one run, side by side, and prints tables with ratios:
   step with the freeze watch on (``lowprec_demo.watch``, every step, bf16): the ratios to the
   plain step and the peak memory of each;
 * how the costs grow: ``quantize`` against tensor size, and the tracked step against model size;
-* the one-time cost of compiling the fused kernels.
+* the one-time cost of compiling the fused kernels;
+* the cold path, as a reader who calls ``quantize`` once meets it: the same rounding with
+  compiling off against the native round trip, and the first call of a fresh process (a new
+  Python process, compiling included where its mode compiles).
 
 Timings are medians over rounds in which every variant runs once (a training step shorter than a
 quarter of a second several times in a row), so a machine whose load changes during the run
@@ -166,13 +169,42 @@ def _peak_extra_bytes(fn: Callable[[], object], device: str) -> Optional[int]:
         return None
 
 
+#: the CPU flags that name vector extensions (x86: /proc/cpuinfo; Arm: "asimd" is NEON)
+VECTOR_FLAGS = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+                "amx_tile", "asimd", "sve", "sve2")
+
+
+def cpu_vector_extensions() -> dict:
+    """The CPU's vector extensions: the flags of :data:`VECTOR_FLAGS` its ``/proc/cpuinfo``
+    lists (empty where there is no such file) and the widest instruction set torch's own CPU
+    kernels use (``torch.backends.cpu.get_cpu_capability()``, e.g. ``"AVX2"``).
+
+    Example: ``cpu_vector_extensions()["torch_capability"]`` -> ``"AVX2"``."""
+    flags = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    flags.update(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    try:
+        capability = torch.backends.cpu.get_cpu_capability()
+    except Exception:   # older torch
+        capability = None
+    return {"flags": [f for f in VECTOR_FLAGS if f in flags], "torch_capability": capability}
+
+
 def _machine(device: str) -> dict:
     """The machine a benchmark ran on: :func:`lowprec_demo.results.provenance` (versions, device
-    and CPU model, commit, date) with the thread count and the load average at the start."""
+    and CPU model, commit, date) with the CPU's vector extensions, the thread count and the load
+    average at the start."""
     p = provenance(device)
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     return {"date": p["date"], "device": device, "package_version": p["package_version"],
             "git_commit": p["git_commit"], "device_name": p["device_name"], "cpu_count": os.cpu_count(),
+            "cpu_vector_extensions": cpu_vector_extensions(),
             "threads": torch.get_num_threads(), "torch": p["torch_version"], "python": p["python_version"],
             "platform": p["hostname_platform"],
             "load_average_start": None if load is None else [round(v, 2) for v in load]}
@@ -226,11 +258,51 @@ def bench_quantize(n: int, device: str, repeats: int, eager: bool = True) -> Lis
             if eager:
                 previous = _fused.set_mode("off")
                 try:
-                    row["eager_ms"] = _rounds({"q": cases["quantize"]}, device, max(1, repeats // 2), 1)["q"] * 1e3
+                    # the cold path: the same functions uncompiled, timed in the same rounds as
+                    # the native round trip
+                    t = _rounds(cases, device, max(1, repeats // 2), 1)
+                    row.update(eager_ms=t["quantize"] * 1e3, eager_native_ms=t["native"] * 1e3,
+                               eager_ratio=t["quantize"] / t["native"])
                 finally:
                     _fused.set_mode(previous)
             rows.append(row)
     return rows
+
+
+_FIRST_CALL = """
+import json, sys, time, torch
+torch.set_num_threads({threads})
+from lowprec_demo import _fused, quantize
+x = torch.randn({n}, device={device!r})
+out = {{}}
+for fmt, rounding in (("bf16", "stochastic"), ("e5m3", "nearest")):
+    start = time.perf_counter()
+    quantize(x, fmt, rounding, generator=1)
+    if {device!r}.startswith("cuda"):
+        torch.cuda.synchronize()
+    kernel = _fused.status()["kernels"][rounding]
+    out[fmt + " " + rounding] = {{"seconds": time.perf_counter() - start, "calls": kernel["calls"],
+                                  "compile_seconds": kernel["compile_seconds"].get(torch.device({device!r}).type)}}
+out["mode"] = _fused.get_mode()
+print(json.dumps(out))
+"""
+
+
+def bench_first_call(n: int, device: str) -> dict:
+    """The first call of a fresh process, as a reader meets it: a new Python process (the
+    fused kernels' mode as the environment leaves it, by default ``"auto"``) times its first
+    ``quantize(x, "bf16", "stochastic")`` and then its first nearest e5m3 on ``n`` float32
+    elements, compiling included if the mode compiles, and says which way each ran (the
+    kernel's compiled and eager calls, :func:`lowprec_demo._fused.status`)."""
+    import subprocess
+    code = _FIRST_CALL.format(threads=torch.get_num_threads(), n=n, device=device)
+    try:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    except subprocess.TimeoutExpired:
+        return {"n": n, "error": "timed out after 600 s"}
+    if done.returncode != 0:
+        return {"n": n, "error": (done.stderr.strip().splitlines() or ["no output"])[-1][:300]}
+    return {"n": n, **json.loads(done.stdout.strip().splitlines()[-1])}
 
 
 def bench_libraries(n: int, device: str, repeats: int) -> List[dict]:
@@ -537,7 +609,10 @@ def report(result: dict) -> str:
 #: a training step against the plain step)
 TARGETS = {"nearest bf16/fp16": 1.5, "nearest, other formats": 2.5, "stochastic": 3.0, "memory / input": 2.0,
            "nearest": 1.10, "stochastic step": 1.10, "nearest+observer": 1.15, "plain+predictor": 1.15,
-           "plain+watch": 1.10}
+           "plain+watch": 1.10,
+           # the cold path: compiling off (against the native round trip), and the first call
+           # of a fresh process (seconds, 16M-element stochastic rounding)
+           "cold nearest": 3.0, "cold stochastic": 5.0, "first call seconds": 2.0}
 
 
 #: the sizes the targets are set for: those of the full run on a CPU (``--threads 1``)
@@ -608,6 +683,32 @@ def summary(result: dict) -> str:
                          verdict(_met(r["extra_memory_inputs"], TARGETS["memory / input"]))])
         out.append(_table([f"quantize, {q[0]['n'] / 2**20:g}M fp32", "rounding", "native round trip", "native ms",
                            "quantize ms", "ratio", "target", "met", "memory / input (<= 2)", "met"], rows))
+    cold = [r for r in q if "eager_ratio" in r]
+    if cold:
+        out.append("")
+        rows = []
+        for r in cold:
+            limit = TARGETS["cold nearest" if r["rounding"] == "nearest" else "cold stochastic"]
+            rows.append([r["format"], r["rounding"], _fmt(r["eager_native_ms"], 1), _fmt(r["eager_ms"], 1),
+                         _fmt(r["eager_ratio"]), f"<= {limit:g}", verdict(_met(r["eager_ratio"], limit))])
+        out.append(_table([f"cold path: compiling off, {q[0]['n'] / 2**20:g}M fp32", "rounding", "native ms",
+                           "quantize ms", "ratio", "target", "met"], rows))
+    first = result.get("first_call")
+    if first and "error" not in first:
+        out.append("")
+        rows = []
+        for key in ("bf16 stochastic", "e5m3 nearest"):
+            f = first[key]
+            way = "compiled" if f["calls"].get("compiled") else "eager"
+            limit = TARGETS["first call seconds"] if key == "bf16 stochastic" else None
+            compile_s = f.get("compile_seconds")
+            rows.append([key, _fmt(f["seconds"]), way + (f" (compiling {compile_s:.1f} s)" if compile_s else ""),
+                         "-" if limit is None else f"<= {limit:g}",
+                         "-" if limit is None else verdict(_met(f["seconds"], limit))])
+        out.append(_table([f"first call of a fresh process, {first['n'] / 2**20:g}M fp32 (mode {first['mode']})",
+                           "seconds", "ran", "target", "met"], rows))
+    elif first:
+        out.append(f"\nfirst call of a fresh process: {first['error']}")
     training = result.get("training") or []
     if training:
         out.append("")
@@ -651,6 +752,9 @@ def run(device: str = "cpu", quick: bool = False, size: Optional[int] = None, re
     result["compile"] = warm_up(device)
     say(f"quantize, {size} elements ...")
     result["quantize"] = bench_quantize(size, device, repeats, eager=eager)
+    if eager:
+        say("the first call of a fresh process ...")
+        result["first_call"] = bench_first_call(size, device)
     if libraries:
         say("other libraries ...")
         result["libraries"] = bench_libraries(size, device, max(3, repeats // 2))

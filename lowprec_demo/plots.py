@@ -26,9 +26,10 @@ import numpy as np
 
 from .formats import get_format
 from .prediction import RATIO_BINS, freeze_order
+from .results import describe
 
 __all__ = ["COLORS", "plot_losses", "plot_frozen", "plot_frozen_by_tensor", "plot_freeze_sweep", "plot_grid",
-           "plot_ulp", "plot_ratio_histogram", "provenance_label", "grid_values", "plot_baselines",
+           "plot_ulp", "plot_ratio_histogram", "provenance_label", "plot_run", "grid_values", "plot_baselines",
            "plot_element_agreement", "plot_evidence", "plot_remedies"]
 
 COLORS = {"reference": "#222222", "nearest": "#d62728", "stochastic": "#1f77b4", "kahan": "#2ca02c",
@@ -63,15 +64,11 @@ def _smooth(values: Sequence[float], window: int) -> np.ndarray:
 
 
 def provenance_label(result) -> str:
-    """A short 'where this came from' line for a stored result: device, date, commit (with
-    ``-dirty`` when the working tree had uncommitted changes).
+    """The 'where this came from' line of a stored result, for a figure's title: the line of
+    :func:`lowprec_demo.results.describe` (device, date, commit, torch version, steps, seed).
 
-    Example: ``provenance_label(result)`` -> ``"NVIDIA H200, 2026-11-29, commit 1a2b3c4d5e"``."""
-    p = getattr(result, "provenance", None) or {}
-    full = p.get("git_commit") or "unknown"
-    commit = full[:10] + ("-dirty" if full.endswith("-dirty") else "")
-    date = (p.get("date") or "")[:10]
-    return f"{p.get('device_name', p.get('device', '?'))}, {date}, commit {commit}"
+    Example: ``provenance_label(result)`` -> ``"NVIDIA H200, 2026-11-29, commit 1a2b3c4, torch 2.11.0; 1200 steps, seed 0"``."""
+    return describe(result)
 
 
 def plot_losses(result, ax=None, variants: Optional[Iterable[str]] = None, log: bool = True, smooth: int = 1,
@@ -131,6 +128,23 @@ def plot_frozen(result, ax=None, threshold: Optional[float] = None, show_sr: boo
     ax.set_title(title or f"{result.experiment}, {result.format}: frozen fraction (threshold {threshold})")
     ax.legend(frameon=False, fontsize=8, loc="lower right")
     return ax
+
+
+def plot_run(result, axes=None, title: Optional[str] = None, frozen_title: str = "frozen fraction",
+             variants: Optional[Iterable[str]] = None, smooth: int = 1, show_sr: bool = True,
+             loss_ylim: Optional[tuple] = None, threshold: Optional[float] = None):
+    """A run at a glance: :func:`plot_losses` beside :func:`plot_frozen`, on two axes (made
+    when ``axes`` is None); the chapters' sliders redraw this. ``title`` heads the loss panel,
+    ``frozen_title`` the other; ``loss_ylim`` bounds the loss axis. Returns the two axes.
+
+    Example: ``plot_run(run_experiment("quadratic", progress=False), title="bf16, lr 0.1")``."""
+    if axes is None:
+        _, axes = plt.subplots(1, 2, figsize=(12, 4))
+    plot_losses(result, ax=axes[0], variants=variants, smooth=smooth, title=title)
+    if loss_ylim is not None:
+        axes[0].set_ylim(*loss_ylim)
+    plot_frozen(result, ax=axes[1], threshold=threshold, show_sr=show_sr, title=frozen_title)
+    return axes
 
 
 BASELINE_STYLES = {"schedule": ("#9467bd", "--", "schedule rule (no trajectory)"),

@@ -581,6 +581,21 @@ def test_benchmark_runs_at_tiny_sizes(tmp_path, capsys, monkeypatch):
     assert "| bf16 " in capsys.readouterr().out
     text = bench.summary(result)
     assert text.count("| nanogpt-quick |") == len(bench.VARIANTS) - 1
+    # the cold path: compiling off in the same rounds as the native round trip, and a fresh
+    # process's first call, which says which way it ran
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| cold path: compiling off"))
+    cold = lines[start + 2:start + 2 + len(result["quantize"])]
+    assert [line.split("|")[6].strip() for line in cold] == [
+        "<= 3" if r["rounding"] == "nearest" else "<= 5" for r in result["quantize"]]
+    for r in result["quantize"]:
+        assert r["eager_ratio"] == pytest.approx(r["eager_ms"] / r["eager_native_ms"])
+    first = result["first_call"]
+    assert first["mode"] == "auto" and first["n"] == 5000
+    for key in ("bf16 stochastic", "e5m3 nearest"):
+        assert first[key]["seconds"] > 0 and sum(first[key]["calls"].values()) == 1
+    assert "| first call of a fresh process" in text and "| bf16 stochastic " in text
+    assert set(result["machine"]["cpu_vector_extensions"]) == {"flags", "torch_capability"}
     result["quantize"][0]["ratio"] = 9.0     # bf16 nearest, target 1.5
     result["training"][0]["ratio"]["stochastic"] = 1.5
     result["training"][0]["ratio_from_parts"]["stochastic"] = 1.01
@@ -589,14 +604,18 @@ def test_benchmark_runs_at_tiny_sizes(tmp_path, capsys, monkeypatch):
     quick = bench.summary(result)
     assert quick.startswith("Quick run (--quick): quantize on 0.00476837M elements, not 16M; "
                             "no training step of gpt2; fewer timed rounds.")
-    rows = {tuple(c.strip() for c in line.split("|")[1:3]): line for line in quick.splitlines()}
+    rows = {}   # the first table a (format, rounding) row appears in: the warm path's
+    for line in quick.splitlines():
+        rows.setdefault(tuple(c.strip() for c in line.split("|")[1:3]), line)
     assert rows[("bf16", "nearest")].rstrip(" |").split("|")[-3].strip() == "no (quick: not comparable)"
     assert "| no / yes (quick: not comparable) " in rows[("nanogpt-quick", "stochastic")]
     # the full run's judgement is unchanged: a bare "no", no note
     result["quick"] = False
     full = bench.summary(result)
     assert full.startswith("Measured ") and "not comparable" not in full and "Quick run" not in full
-    rows = {tuple(c.strip() for c in line.split("|")[1:3]): line for line in full.splitlines()}
+    rows = {}
+    for line in full.splitlines():
+        rows.setdefault(tuple(c.strip() for c in line.split("|")[1:3]), line)
     assert rows[("bf16", "nearest")].rstrip(" |").split("|")[-3].strip() == "no"
     assert "| no / yes " in rows[("nanogpt-quick", "stochastic")]
     # a file written before the flag was kept: read from its command line
