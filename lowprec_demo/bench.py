@@ -51,14 +51,14 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from . import _fused
+from .experiments import get_experiment, make_config
 from .formats import get_format
-from .models import GPT, gpt_config
 from .optimizer import LowPrecisionOptimizer
 from .prediction import FreezeObserver, FreezePredictor
 from .watch import watch
 from .rounding import quantize
 from .results import atomic_write_json, provenance
-from .training import variant_wrapper
+from .training import lowprec_named_params, make_optimizer, variant_wrapper
 
 __all__ = ["run", "main", "QUANTIZE_FORMATS", "MODELS"]
 
@@ -66,15 +66,15 @@ __all__ = ["run", "main", "QUANTIZE_FORMATS", "MODELS"]
 QUANTIZE_FORMATS = [("bf16", torch.bfloat16), ("fp16", torch.float16), ("e4m3", torch.float8_e4m3fn),
                     ("e5m2", torch.float8_e5m2), ("e5m3", None)]
 
-# The experiments' quick settings (lowprec_demo/experiments/nanogpt.py and gpt2.py)
+#: the models of the training-step benchmark: each an experiment at a scale (its model, optimizer,
+#: format and low-precision parameters, built by the experiment itself), stepped on random
+#: tokens in batches of ``batch`` x ``context`` (the quick nanoGPT's own batch; the same batch
+#: for nanoGPT's full model, whose steps the benchmark sets beside it, and a short context for
+#: GPT-2 on a CPU)
 MODELS = {
-    "nanogpt-quick": dict(config=dict(name="nanogpt-quick", n_layer=2, n_head=4, n_embd=64, block_size=64,
-                                      vocab_size=65),
-                          batch=8, context=64, format="bf16", params="all", lr=1e-3, betas=(0.9, 0.99)),
-    "shakespeare-char": dict(config=dict(name="shakespeare-char", vocab_size=65),
-                             batch=8, context=64, format="bf16", params="all", lr=1e-3, betas=(0.9, 0.99)),
-    "gpt2": dict(config=dict(name="gpt2"), batch=4, context=64, format="e4m3", params="matrices", lr=6e-4,
-                 betas=(0.9, 0.95)),
+    "nanogpt-quick": dict(experiment="nanogpt", scale="quick", batch=8, context=64),
+    "shakespeare-char": dict(experiment="nanogpt", scale="full", batch=8, context=64),
+    "gpt2": dict(experiment="gpt2", scale="quick", batch=4, context=64),
 }
 VARIANTS = ("plain", "nearest", "stochastic", "nearest+observer", "plain+predictor", "plain+watch")
 # the remedies of the training loop's variants (lowprec_demo.training.variant_wrapper): timed on
@@ -358,27 +358,30 @@ def bench_libraries(n: int, device: str, repeats: int) -> List[dict]:
 # ------------------------------------------------------------------------------------------------
 # training steps
 # ------------------------------------------------------------------------------------------------
-def _decay_groups(model: torch.nn.Module) -> list:
-    params = list(model.parameters())
-    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+def build_model(model_name: str, device: str):
+    """One of :data:`MODELS` as its experiment builds it: ``(config, task, model, optimizer,
+    lowprec)``, the model initialised from seed 0 and on ``device``, the plain optimizer the
+    training loop makes, and the parameters the experiment keeps in low precision, by name."""
+    if model_name not in MODELS:
+        raise ValueError(f"unknown model {model_name!r}; valid models: {', '.join(MODELS)}")
+    spec = MODELS[model_name]
+    config = make_config(spec["experiment"], spec["scale"], device=device)
+    task = get_experiment(spec["experiment"]).build(config)
+    model = task.make_model(torch.Generator().manual_seed(0)).to(device)
+    return config, task, model, make_optimizer(model, task, config), lowprec_named_params(model, config)
 
 
 def bench_training(model_name: str, device: str, repeats: int, variants=VARIANTS) -> dict:
     """Step times of every variant of one model, their ratios to the plain step and the peak
-    memory of a step. One model and one AdamW (``foreach=False``, as the training loop builds
-    it) are shared by the variants, which differ only in what wraps and watches the step."""
+    memory of a step. One model and one optimizer (the training loop's, ``foreach=False``) are
+    shared by the variants, which differ only in what wraps and watches the step."""
     spec = MODELS[model_name]
-    cfg = dict(spec["config"])
-    config = gpt_config(cfg.pop("name"), **cfg)
-    torch.manual_seed(0)
-    model = GPT(config, generator=torch.Generator().manual_seed(0)).to(device)
-    inner = torch.optim.AdamW(_decay_groups(model), lr=spec["lr"], betas=spec["betas"], foreach=False)
+    train_config, task, model, inner, lowprec = build_model(model_name, device)
+    config = model.config
     gen = torch.Generator().manual_seed(1)
     x = torch.randint(0, config.vocab_size, (spec["batch"], spec["context"]), generator=gen).to(device)
     y = torch.randint(0, config.vocab_size, (spec["batch"], spec["context"]), generator=gen).to(device)
-    lowprec = {n: p for n, p in model.named_parameters() if spec["params"] == "all" or p.dim() >= 2}
-    fmt = spec["format"]
+    fmt = train_config.format
 
     def lpo(rounding="nearest", **wrapper):
         return LowPrecisionOptimizer(inner, fmt, rounding=rounding, generator=torch.Generator().manual_seed(2),
@@ -390,7 +393,7 @@ def bench_training(model_name: str, device: str, repeats: int, variants=VARIANTS
         if v in REMEDY_VARIANTS:
             setups[v] = (lpo(**variant_wrapper(v, fmt)), None)
     if "plain+watch" in variants:   # an AdamW of its own: the watch's hooks are on it alone
-        watched = torch.optim.AdamW(_decay_groups(model), lr=spec["lr"], betas=spec["betas"], foreach=False)
+        watched = make_optimizer(model, task, train_config)
         setups["plain+watch"] = (watched, watch(model, watched, formats=("bf16",)))
 
     def step_of(opt, tracker, hooked=False):
@@ -462,6 +465,7 @@ def bench_training(model_name: str, device: str, repeats: int, variants=VARIANTS
     state = sum(t.numel() * t.element_size() for s in inner.state.values() for t in s.values() if torch.is_tensor(t))
     return {"model": model_name, "params": n_params, "lowprec_params": sum(p.numel() for p in lowprec.values()),
             "format": fmt, "batch": spec["batch"], "context": spec["context"],
+            "experiment": f"{spec['experiment']} ({spec['scale']}): {task.description}",
             "step_ms": {v: t * 1e3 for v, t in times.items()},
             "ratio": {v: statistics.median(r) for v, r in ratios.items()},
             "ratio_rounds": ratios,

@@ -113,7 +113,9 @@ class Task:
     description: str = ""
 
 
-def _make_optimizer(model: torch.nn.Module, task: Task, config: TrainConfig) -> torch.optim.Optimizer:
+def make_optimizer(model: torch.nn.Module, task: Task, config: TrainConfig) -> torch.optim.Optimizer:
+    """The plain optimizer every variant of a run starts from: the config's SGD, Adam or AdamW
+    (``foreach=False``) over the task's parameter groups (one group when it has none)."""
     groups = task.param_groups(model, config) if task.param_groups else [{"params": list(model.parameters())}]
     if config.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
@@ -122,7 +124,8 @@ def _make_optimizer(model: torch.nn.Module, task: Task, config: TrainConfig) -> 
                foreach=False)
 
 
-def _named_lowprec(model: torch.nn.Module, config: TrainConfig) -> Dict[str, torch.Tensor]:
+def lowprec_named_params(model: torch.nn.Module, config: TrainConfig) -> Dict[str, torch.Tensor]:
+    """The parameters the config keeps in low precision (``config.lowprec_params``), by name."""
     chosen = {id(p) for p in select_params(model.parameters(), config.lowprec_params)}
     return {n: p for n, p in model.named_parameters() if id(p) in chosen}
 
@@ -140,8 +143,8 @@ def _run_steps(variant: str, model: torch.nn.Module, task: Task, config: TrainCo
     net = model
     if dist_info.enabled:   # gradients are averaged over processes, each on its share of the batch
         net = DataParallel(model, device_ids=[dist_info.local_rank] if device.startswith("cuda") else None)
-    opt = _make_optimizer(model, task, config)
-    tracked = _named_lowprec(model, config)
+    opt = make_optimizer(model, task, config)
+    tracked = lowprec_named_params(model, config)
     predictor = observer = None
     if variant == "reference":
         predictor = FreezePredictor(tracked, predictor_formats, rand_bits=config.rand_bits, keep_masks=keep_masks)

@@ -128,3 +128,25 @@ def test_benchmark_machine_is_the_provenance_plus_load():
     p = provenance("cpu")
     assert m["device_name"] == p["device_name"] and m["git_commit"] == p["git_commit"]
     assert m["threads"] == torch.get_num_threads() and "load_average_start" in m
+
+
+def test_the_benchmark_builds_its_models_through_the_experiments():
+    """bench's models are the experiments' own: the same config, the same initialisation, the
+    training loop's optimizer and the same low-precision parameters (no settings copied)."""
+    from lowprec_demo import bench
+    from lowprec_demo.experiments import get_experiment, make_config
+    for path in (PACKAGE / "experiments").glob("*.py"):   # the arrow runs one way
+        assert "bench" not in path.read_text(), path
+    for name, spec in bench.MODELS.items():
+        if name == "gpt2":
+            continue   # 124M parameters: the smaller two say the same
+        config, task, model, opt, lowprec = bench.build_model(name, "cpu")
+        assert config == make_config(spec["experiment"], spec["scale"], device="cpu")
+        own = get_experiment(spec["experiment"]).build(config).make_model(torch.Generator().manual_seed(0))
+        assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), own.state_dict().values()))
+        assert isinstance(opt, torch.optim.AdamW) and opt.defaults["lr"] == config.lr
+        assert tuple(opt.defaults["betas"]) == tuple(config.betas)
+        assert [g["weight_decay"] for g in opt.param_groups] == [config.weight_decay, 0.0]
+        assert set(lowprec) == {n for n, _ in model.named_parameters()}   # nanoGPT: every parameter
+    with pytest.raises(ValueError, match="valid models: nanogpt-quick"):
+        bench.build_model("gpt3", "cpu")
