@@ -138,7 +138,10 @@ def sr_by_integer_position(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     rounded to k bits by integer arithmetic and compared with the top bits of the hash as
     non-negative int32 numbers (as sr_fp32 did before it compared unsigned 32-bit numbers)."""
     man_bits, emin_b, k, max_bits, over_bits, tiny_bits, s1, s2, first = (p[i] for i in range(9))
-    sign, u, nan = _fused._unpack(x)
+    bits = x.view(torch.int32)
+    sign, u = bits & -(1 << 31), bits & 0x7FFFFFFF
+    nan = u > 0x7F800000
+    u = torch.where(nan, 0, u)
     top, s, d = _fused._decompose(u, man_bits, emin_b)
     frac = s & ((1 << torch.clamp(d, max=25)) - 1)
     sh = torch.clamp(d - k, min=0, max=26)
@@ -151,7 +154,9 @@ def sr_by_integer_position(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     top_j = (r >> torch.clamp(32 - j, min=0, max=31)) & (0x7FFFFFFF >> torch.clamp(31 - j, min=0, max=31))
     move = (top_j < position) & ((j < 32) | (r >= 0))
     q = (s - frac) + (move.to(torch.int32) << torch.clamp(d, max=24))
-    return _fused._repack(torch.where(d >= 24, torch.where(move, tiny_bits, 0), top + q), sign, nan, max_bits, over_bits)
+    out = torch.where(d >= 24, torch.where(move, tiny_bits, 0), top + q)
+    out = torch.where(nan, 0x7FC00000, torch.where(out > max_bits, over_bits, out))
+    return (out | sign).view(torch.float32)
 
 
 @pytest.mark.parametrize("key", SR_KEYS)
