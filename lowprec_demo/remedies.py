@@ -31,26 +31,25 @@ import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
-from .config import lr_factor
+from .config import VARIANTS, lr_factor
 from .experiments import get_experiment, make_config
-from .formats import get_format
 from .prediction import freeze_step
 from .results import TrainResult
+from .rounding import decay_rounds_back
 from .training import train_variants
 
 __all__ = ["compare_remedies", "RemedyComparison", "REMEDIES", "REMEDY_LABELS", "BENCH_VARIANT"]
 
-REMEDIES = ("nearest", "stochastic", "kahan", "kahan_lp", "master", "nearest_state", "stochastic_state")
+REMEDIES = VARIANTS[1:]   # every variant of the training loop but the reference
 REMEDY_LABELS = {
     "fp32": "fp32 (reference)", "nearest": "round to nearest", "stochastic": "stochastic rounding",
     "kahan": "Kahan, fp32 buffer", "kahan_lp": "Kahan, buffer in the format", "master": "fp32 master weights",
     "nearest_state": "nearest, Adam state in the format", "stochastic_state": "SR, Adam state in the format",
     "floor": "nearest, lr floor",
 }
-# the benchmark variant whose step a remedy takes (few-bit SR: the stochastic kernel)
-BENCH_VARIANT = {"fp32": "plain", "nearest": "nearest", "stochastic": "stochastic", "kahan": "kahan",
-                 "kahan_lp": "kahan_lp", "master": "master", "nearest_state": "nearest_state",
-                 "stochastic_state": "stochastic_state", "floor": "nearest", "sr": "stochastic"}
+# the benchmark variant whose step a remedy takes, where its name differs (the remedies of
+# REMEDIES have a benchmark variant of their own name; few-bit SR takes the stochastic kernel)
+BENCH_VARIANT = {"fp32": "plain", "floor": "nearest", "sr": "stochastic"}
 
 
 def _metric(result: TrainResult) -> str:
@@ -92,7 +91,7 @@ class RemedyComparison:
         ``1 - beta2`` below half the format's relative gap, ``2**-(m+1)`` (then ``beta2 * v``
         rounds back to ``v``)."""
         cfg = self.main.config
-        return cfg.optimizer != "sgd" and 1 - cfg.betas[1] < 2.0 ** -(get_format(cfg.format).man_bits + 1)
+        return cfg.optimizer != "sgd" and decay_rounds_back(cfg.betas[1], cfg.format)
 
     def moved(self, k: Optional[int] = None) -> tuple:
         """(predicted, observed) fraction of elements stochastic rounding moves at each step: with
@@ -128,7 +127,7 @@ class RemedyComparison:
         def add(name, result, variant, predicted="", observed="", label=None):
             rec = result.runs[variant]
             key = "sr" if name.startswith("sr") and name[2:].isdigit() else name
-            ratio = (bench or {}).get("ratio", {}).get(BENCH_VARIANT[key]) if bench else None
+            ratio = (bench or {}).get("ratio", {}).get(BENCH_VARIANT.get(key, key)) if bench else None
             loss = self.final(result, variant)
             rows.append({"remedy": name, "label": label or REMEDY_LABELS[name], "loss": loss, "gap": loss - ref,
                          "relative": (loss - ref) / abs(ref) if ref else math.nan,

@@ -55,7 +55,7 @@ import torch
 from . import _fused
 from .formats import FloatFormat, check_overflow_policy, get_format
 
-__all__ = ["quantize", "quantize_", "ulp", "would_freeze", "move_probability", "update_ulp_ratio",
+__all__ = ["quantize", "quantize_", "ulp", "would_freeze", "move_probability", "update_ulp_ratio", "decay_rounds_back",
            "ROUNDING_MODES", "random_bits"]
 
 ROUNDING_MODES = ("nearest", "stochastic")
@@ -388,6 +388,21 @@ def _generic_nearest(x: torch.Tensor, fmt: FloatFormat, policy: str) -> torch.Te
 # ------------------------------------------------------------------------------------------------
 def _as_computable(t: torch.Tensor) -> torch.Tensor:
     return t.float() if t.dtype in _NARROW else t
+
+
+def decay_rounds_back(beta: Optional[float], fmt: Union[str, FloatFormat]) -> bool:
+    """Whether a moving average ``v <- beta * v + (1 - beta) * x`` kept on ``fmt``'s grid with
+    round to nearest can stop decaying: ``1 - beta`` below ``2**-(m+1)``, the bound of the half
+    gap relative to the value. At and above it ``beta * v`` moves every grid value; below it
+    the values just above a power of two, whose relative half gap comes closest to the bound,
+    are the first that ``beta * v`` rounds back to (once the new input is small), and below
+    ``2**-(m+2)`` every value. False for no factor (None or 0).
+
+    Example:
+        >>> decay_rounds_back(0.999, "bf16"), decay_rounds_back(0.9, "bf16")   # Adam's beta2, beta1
+        (True, False)
+    """
+    return bool(beta) and 1 - beta < 2.0 ** -(get_format(fmt).man_bits + 1)
 
 
 def ulp(x: torch.Tensor, fmt: Union[str, FloatFormat]) -> torch.Tensor:

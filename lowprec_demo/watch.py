@@ -58,7 +58,7 @@ from .formats import FloatFormat, get_format
 from .optimizer import LowPrecisionOptimizer
 from .prediction import FreezeRecord, freeze_step
 from .results import atomic_write_json
-from .rounding import update_ulp_ratio, would_freeze
+from .rounding import decay_rounds_back, update_ulp_ratio, would_freeze
 from .runtime import progress_bar
 
 __all__ = ["watch", "FreezeWatch", "Diagnosis", "WatchReport", "load_watch", "DIAGNOSIS_KINDS",
@@ -657,7 +657,7 @@ class FreezeWatch:
                 if name is None:
                     continue
                 m = get_format(name).man_bits
-                if 1 - beta < 2.0 ** -(m + 1) and (key, name) not in seen:
+                if decay_rounds_back(beta, name) and (key, name) not in seen:
                     seen.add((key, name))
                     tensors = [t for t in self.tracked if key in self.optimizer.state.get(self._params[t], {})]
                     out.append(Diagnosis("state_decay", None, (

@@ -1277,3 +1277,25 @@ def test_cuda_generators_and_random_bits():
     assert torch.equal(quantize(x, "bf16", "stochastic", generator=g1), quantize(x, "bf16", "stochastic", generator=g2))
     y = quantize(x, "e4m3", "stochastic", generator=g1)
     assert y.device == x.device and not torch.equal(y, quantize(x, "e4m3", "stochastic", generator=g1))
+
+
+@pytest.mark.parametrize("key", ["bf16", "fp16", "e4m3", "e5m2", "e8m4"])
+def test_decay_rounds_back_is_the_rounding_of_beta_times_v(key):
+    """At and above 2**-(m+1), beta * v moves every grid value of a binade; just below it the
+    value just above the power of two stays (the largest relative half gap of a grid value is
+    2**-(m+1) / (1 + 2**-m)); below 2**-(m+2) every value stays."""
+    from lowprec_demo.rounding import decay_rounds_back
+    fmt = get_format(key)
+    m = fmt.man_bits
+    grid = quantize(torch.linspace(1.0, 2.0, 4001, dtype=torch.float64)[:-1], fmt).unique()
+    bound = 2.0**-(m + 1)
+
+    def stays(one_minus):
+        return quantize(grid * (1 - one_minus), fmt) == grid
+    for one_minus in (bound, bound * 1.5, 0.2):
+        assert not decay_rounds_back(1 - one_minus, fmt) and not stays(one_minus).any()
+    just_below = bound / (1 + 2.0**-m) * 0.99
+    assert decay_rounds_back(1 - just_below, fmt)
+    assert stays(just_below)[grid == 1 + 2.0**-m].all()
+    assert decay_rounds_back(1 - 2.0**-(m + 2) * 0.99, fmt) and stays(2.0**-(m + 2) * 0.99).all()
+    assert not decay_rounds_back(None, fmt) and not decay_rounds_back(0.0, fmt)
