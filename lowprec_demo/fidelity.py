@@ -25,7 +25,7 @@ import torch
 from .formats import FloatFormat
 from .rounding import quantize
 
-__all__ = ["sgd_step", "adamw_step", "real_and_simulated"]
+__all__ = ["sgd_step", "adamw_step", "NoisyQuadratic", "real_and_simulated"]
 
 Format = Union[str, FloatFormat]
 
@@ -116,6 +116,55 @@ def adamw_step(param: torch.Tensor, grad: torch.Tensor, state: dict, *, lr: floa
     return _stored(param + _fl32(_fl32(_scalar(-step_size, "fp32") * m) / denom), fmt)
 
 
+class NoisyQuadratic:
+    """The problem the cross-checks train: ``loss = mean(h (w - target)**2 / 2)`` with curvatures
+    ``h`` from 0.1 to 10 (log-uniform) and gradient noise of standard deviation ``noise``, the
+    same at a given step for every run. The gradient is computed in float32 from the stored
+    weights and handed to the parameter in its own dtype, as autograd would.
+
+    Example:
+        >>> problem = NoisyQuadratic(1024)
+        >>> p = torch.nn.Parameter(problem.w0.clone())
+        >>> moved, losses, never_moved = problem.train(p, torch.optim.SGD([p], lr=0.1), steps=5)
+        >>> len(losses)
+        5
+    """
+
+    def __init__(self, n: int, seed: int = 0, noise: float = 0.5) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.n, self.seed, self.noise = n, seed, noise
+        self.target = torch.randn(n, generator=g)
+        self.h = torch.exp(torch.empty(n).uniform_(-2.302585, 2.302585, generator=g))
+        self.w0 = torch.randn(n, generator=g)
+
+    def grad(self, w: torch.Tensor, step: int) -> torch.Tensor:
+        """The float32 gradient at the stored weights ``w`` at ``step``."""
+        noise = self.noise * torch.randn(self.n, generator=torch.Generator().manual_seed(10_000 + self.seed + step))
+        return self.h * (w.float() - self.target) + noise
+
+    def loss(self, w: torch.Tensor) -> float:
+        return (0.5 * self.h * (w.float() - self.target) ** 2).mean().item()
+
+    def train(self, param: torch.nn.Parameter, optimizer, steps: int, after_step=None):
+        """Train ``param`` (float32, bfloat16 or float16) with ``optimizer`` for ``steps`` steps.
+        Returns ``(moved, losses, never_moved)``: per step the fraction of elements whose stored
+        value changed and the loss, and the share of elements that never changed. ``after_step``,
+        if given, is called after every step."""
+        moved, losses = [], []
+        ever = torch.zeros(self.n, dtype=torch.bool)
+        for t in range(steps):
+            before = param.detach().float().clone()
+            param.grad = self.grad(before, t).to(param.dtype)
+            optimizer.step()
+            changed = param.detach().float() != before
+            ever |= changed
+            moved.append(changed.float().mean().item())
+            losses.append(self.loss(param.detach()))
+            if after_step is not None:
+                after_step()
+        return torch.tensor(moved), torch.tensor(losses), 1 - ever.float().mean().item()
+
+
 def real_and_simulated(lr: float = 1e-3, optimizer: str = "adamw", fmt: str = "bf16", n: int = 1 << 15,
                        steps: int = 200, seed: int = 0, noise: float = 0.5) -> dict:
     """Train the same noisy quadratic twice from one start: parameters really stored in ``fmt``
@@ -142,32 +191,22 @@ def real_and_simulated(lr: float = 1e-3, optimizer: str = "adamw", fmt: str = "b
     makers = {"adamw": lambda p: torch.optim.AdamW([p], lr=lr), "sgd": lambda p: torch.optim.SGD([p], lr=lr)}
     if optimizer not in makers:
         raise ValueError(f"optimizer must be one of {', '.join(makers)}; got {optimizer!r}")
-    g = torch.Generator().manual_seed(seed)
-    target = torch.randn(n, generator=g)
-    h = torch.exp(torch.empty(n).uniform_(-2.302585, 2.302585, generator=g))
-    w0 = torch.randn(n, generator=g)
-    real = torch.nn.Parameter(w0.to(dtypes[fmt]))
-    sim = torch.nn.Parameter(w0.clone())
-    opts = {"real": makers[optimizer](real),
-            "simulated": LowPrecisionOptimizer(makers[optimizer](sim), fmt)}
-    out = {k: {"moved": [], "loss": [], "ever": torch.zeros(n, dtype=torch.bool)} for k in opts}
-    decreased, previous = False, None
-    for t in range(steps):
-        noise_t = noise * torch.randn(n, generator=torch.Generator().manual_seed(10_000 + seed + t))
-        for key, p in (("real", real), ("simulated", sim)):
-            before = p.detach().float().clone()
-            p.grad = (h * (before - target) + noise_t).to(p.dtype)
-            opts[key].step()
-            after = p.detach().float()
-            changed = after != before
-            out[key]["ever"] |= changed
-            out[key]["moved"].append(changed.float().mean().item())
-            out[key]["loss"].append((0.5 * h * (after - target) ** 2).mean().item())
-        if optimizer == "adamw":
-            v = opts["real"].state[real]["exp_avg_sq"].float()
-            decreased = decreased or (previous is not None and bool((v < previous).any()))
-            previous = v.clone()
-    result = {k: {"moved": r["moved"], "loss": r["loss"], "never_moved": 1 - r["ever"].float().mean().item()}
-              for k, r in out.items()}
+    problem = NoisyQuadratic(n, seed, noise)
+    real = torch.nn.Parameter(problem.w0.to(dtypes[fmt]))
+    sim = torch.nn.Parameter(problem.w0.clone())
+    history = {"decreased": False, "previous": None}
+
+    def watch_second_moment():   # does any element of the real run's exp_avg_sq ever go down?
+        v = opts["real"].state[real]["exp_avg_sq"].float()
+        if history["previous"] is not None and bool((v < history["previous"]).any()):
+            history["decreased"] = True
+        history["previous"] = v.clone()
+    opts = {"real": makers[optimizer](real), "simulated": LowPrecisionOptimizer(makers[optimizer](sim), fmt)}
+    result = {}
+    for key, p in (("real", real), ("simulated", sim)):
+        moved, loss, never = problem.train(p, opts[key], steps,
+                                           watch_second_moment if key == "real" and optimizer == "adamw" else None)
+        result[key] = {"moved": moved.tolist(), "loss": loss.tolist(), "never_moved": never}
+    decreased = history["decreased"]
     result["second_moment_decreased"] = decreased
     return result

@@ -22,7 +22,7 @@ import torch
 
 import lowprec_demo as lp
 from lowprec_demo import LowPrecisionOptimizer, move_probability, quantize
-from lowprec_demo.fidelity import adamw_step, sgd_step
+from lowprec_demo.fidelity import NoisyQuadratic, adamw_step, sgd_step
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 INT_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16}
@@ -58,38 +58,7 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> int:
     return int((ia != ib).sum())
 
 
-class Quadratic:
-    """``loss = mean(h (w - target)**2 / 2)`` with curvatures h from 0.1 to 10 and gradient noise;
-    the gradient is computed in float32 from the stored weights and handed over in the
-    parameter's dtype (as autograd would)."""
-
-    def __init__(self, n: int, seed: int = 0, noise: float = 0.5):
-        g = torch.Generator().manual_seed(seed)
-        self.n, self.noise = n, noise
-        self.target = torch.randn(n, generator=g)
-        self.h = torch.exp(torch.empty(n).uniform_(math.log(0.1), math.log(10), generator=g))
-        self.w0 = torch.randn(n, generator=g)
-
-    def grad(self, w: torch.Tensor, step: int) -> torch.Tensor:
-        g = torch.Generator().manual_seed(10_000 + step)
-        return self.h * (w.float() - self.target) + self.noise * torch.randn(self.n, generator=g)
-
-    def loss(self, w: torch.Tensor) -> float:
-        return (0.5 * self.h * (w.float() - self.target) ** 2).mean().item()
-
-    def run(self, param: torch.nn.Parameter, opt, steps: int):
-        """Train; per step the fraction of elements whose stored value changed, and the losses."""
-        moved, losses = [], []
-        ever = torch.zeros(self.n, dtype=torch.bool)
-        for t in range(steps):
-            before = param.detach().float().clone()
-            param.grad = self.grad(before, t).to(param.dtype)
-            opt.step()
-            changed = param.detach().float() != before
-            ever |= changed
-            moved.append(changed.float().mean().item())
-            losses.append(self.loss(param.detach()))
-        return torch.tensor(moved), torch.tensor(losses), 1 - ever.float().mean().item()
+Quadratic = NoisyQuadratic   # the problem of lowprec_demo.fidelity.real_and_simulated
 
 
 # ------------------------------------------------------------------------------------------------
@@ -200,10 +169,10 @@ def adamw_freeze_runs():
     problem, out = Quadratic(2**15), {}
     for lr in (1e-3, 3e-4, 1e-4):
         real = torch.nn.Parameter(problem.w0.bfloat16())
-        runs = {"real": problem.run(real, torch.optim.AdamW([real], lr=lr), 200)}
+        runs = {"real": problem.train(real, torch.optim.AdamW([real], lr=lr), 200)}
         for key, extra in (("sim", {}), ("sim_state_bf16", {"state_format": "bf16"})):
             p = torch.nn.Parameter(problem.w0.clone())
-            runs[key] = problem.run(p, LowPrecisionOptimizer(torch.optim.AdamW([p], lr=lr), "bf16", **extra), 200)
+            runs[key] = problem.train(p, LowPrecisionOptimizer(torch.optim.AdamW([p], lr=lr), "bf16", **extra), 200)
         out[lr] = runs
     return out
 
@@ -230,9 +199,9 @@ def test_real_bf16_adamw_freezes_a_little_more_than_the_simulation(adamw_freeze_
 def test_real_bf16_sgd_freezes_as_the_simulation(settings):
     problem = Quadratic(2**15)
     real = torch.nn.Parameter(problem.w0.bfloat16())
-    moved_real, loss_real, never_real = problem.run(real, torch.optim.SGD([real], **settings), 150)
+    moved_real, loss_real, never_real = problem.train(real, torch.optim.SGD([real], **settings), 150)
     p = torch.nn.Parameter(problem.w0.clone())
-    moved_sim, loss_sim, never_sim = problem.run(p, LowPrecisionOptimizer(torch.optim.SGD([p], **settings), "bf16"), 150)
+    moved_sim, loss_sim, never_sim = problem.train(p, LowPrecisionOptimizer(torch.optim.SGD([p], **settings), "bf16"), 150)
     assert (moved_real[-50:].mean() - moved_sim[-50:].mean()).abs().item() < 0.002
     assert abs(never_real - never_sim) < 0.002
     assert loss_real[-1].item() == pytest.approx(loss_sim[-1].item(), rel=0.005)
@@ -291,13 +260,13 @@ def torchao_runs():
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
-                    runs[key] = problem.run(p, AdamW([p], lr=lr, bf16_stochastic_round=sr), 100)
+                    runs[key] = problem.train(p, AdamW([p], lr=lr, bf16_stochastic_round=sr), 100)
             except Exception as error:  # torchao compiles its step with torch.compile
                 pytest.skip(f"torchao's _AdamW compiles its step with torch.compile, which failed here: {error!r}")
         for key, rounding in (("sim_sr", "stochastic"), ("sim_nearest", "nearest")):
             p = torch.nn.Parameter(problem.w0.clone())
             opt = LowPrecisionOptimizer(torch.optim.AdamW([p], lr=lr), "bf16", rounding=rounding, generator=0)
-            runs[key] = problem.run(p, opt, 100)
+            runs[key] = problem.train(p, opt, 100)
         out[lr] = runs
     return out
 
@@ -380,15 +349,15 @@ def optimi_runs():
         runs = {}
         for key, kahan in (("optimi_kahan", True), ("optimi_plain", False)):
             p = torch.nn.Parameter(problem.w0.bfloat16())
-            runs[key] = problem.run(p, optimi.AdamW([p], lr=lr, kahan_sum=kahan, **OPTIMI_SETTINGS), 200)
+            runs[key] = problem.train(p, optimi.AdamW([p], lr=lr, kahan_sum=kahan, **OPTIMI_SETTINGS), 200)
         settings = {"nearest": {}, "kahan_fp32": {"compensation": "kahan"}}
         if accepts_format:
             settings["kahan_bf16"] = {"compensation": "kahan", "compensation_format": "bf16"}
         for key, extra in settings.items():
             p = torch.nn.Parameter(problem.w0.clone())
-            runs[key] = problem.run(p, LowPrecisionOptimizer(torch.optim.AdamW([p], lr=lr, **OPTIMI_SETTINGS), "bf16", **extra), 200)
+            runs[key] = problem.train(p, LowPrecisionOptimizer(torch.optim.AdamW([p], lr=lr, **OPTIMI_SETTINGS), "bf16", **extra), 200)
         p = torch.nn.Parameter(problem.w0.clone())
-        runs["fp32"] = problem.run(p, torch.optim.AdamW([p], lr=lr, **OPTIMI_SETTINGS), 200)
+        runs["fp32"] = problem.train(p, torch.optim.AdamW([p], lr=lr, **OPTIMI_SETTINGS), 200)
         out[lr] = runs
     return out
 
