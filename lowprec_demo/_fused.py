@@ -465,22 +465,37 @@ EAGER_CHUNK = 1 << 16   # eagerly, tensors go in slices this long: each temporar
 def _sliced(fn, args: tuple, first: Optional[int] = None):
     """``fn(*args)`` run eagerly slice by slice: every argument as long as the first one sliced
     alike, the others whole; with ``first``, the parameter tensor (the last argument) told at
-    that position where each slice starts. Returned tensors are concatenated, 0-dim ones (sums)
-    added: the bits of one call."""
+    that position where each slice starts. Each returned tensor as long as its slice goes
+    straight into one output tensor (while the slice is still in the cache), others are
+    concatenated and 0-dim ones (sums) added in slice order: the bits of one call."""
     n = args[0].numel()
     if n <= EAGER_CHUNK:
         return fn(*args)
-    parts = []
+    outs, pieces, single = None, None, False
     for start in range(0, n, EAGER_CHUNK):
         sliced = [a[start:start + EAGER_CHUNK] if a.dim() and a.numel() == n else a for a in args]
         if first is not None:
             sliced[-1] = sliced[-1].clone()
             sliced[-1][first] += start
-        parts.append(fn(*sliced))
-    if parts[0] is None:
+        part = fn(*sliced)
+        if part is None:
+            continue
+        single = not isinstance(part, tuple)
+        part = (part,) if single else part
+        length = sliced[0].numel()
+        if outs is None:
+            outs = [torch.empty(n, dtype=t.dtype, device=t.device) if t.dim() and t.numel() == length
+                    else None for t in part]
+            pieces = [[] for _ in part]
+        for i, t in enumerate(part):
+            if outs[i] is not None:
+                outs[i][start:start + length].copy_(t)
+            else:
+                pieces[i].append(t)
+    if outs is None:
         return None
-    joined = [sum(ps) if ps[0].dim() == 0 else torch.cat(ps) for ps in zip(*[p if isinstance(p, tuple) else (p,) for p in parts])]
-    return tuple(joined) if isinstance(parts[0], tuple) else joined[0]
+    joined = [o if o is not None else (sum(ps) if ps[0].dim() == 0 else torch.cat(ps)) for o, ps in zip(outs, pieces)]
+    return joined[0] if single else tuple(joined)
 
 
 class _Kernel:
