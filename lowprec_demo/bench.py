@@ -60,7 +60,8 @@ from .rounding import quantize
 from .results import atomic_write_json, provenance
 from .training import lowprec_named_params, make_optimizer, variant_wrapper
 
-__all__ = ["run", "main", "QUANTIZE_FORMATS", "MODELS"]
+__all__ = ["run", "main", "summary", "report", "build_model", "bench_first_call", "cpu_vector_extensions",
+           "QUANTIZE_FORMATS", "MODELS", "TARGETS"]
 
 # (format, torch dtype of its native round trip or None)
 QUANTIZE_FORMATS = [("bf16", torch.bfloat16), ("fp16", torch.float16), ("e4m3", torch.float8_e4m3fn),
