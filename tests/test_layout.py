@@ -41,8 +41,9 @@ def test_config_and_results_do_not_need_the_loop():
 
 
 def test_no_package_module_imports_from_itself_in_a_cycle():
-    """Apart from the experiments registry (the package and its one-per-experiment modules),
-    the package's imports form no cycle."""
+    """Apart from the experiments (checked by
+    test_the_experiment_modules_import_the_registry_not_the_package), the package's imports form
+    no cycle."""
     modules = [p.relative_to(PACKAGE).with_suffix("").as_posix().replace("/", ".") for p in PACKAGE.rglob("*.py")]
     modules = [m[:-len(".__init__")] if m.endswith(".__init__") else m for m in modules]
     modules = [m for m in modules if m != "__init__" and not m.startswith("experiments")]
