@@ -32,8 +32,7 @@ from .training import Task, train_formats, train_variants
 from .experiments import experiment_names, make_config, run_experiment, run_formats, sweep
 from .watch import Diagnosis, FreezeWatch, load_watch, watch
 from .remedies import RemedyComparison, compare_remedies
-
-__version__ = "0.1.0"
+from .version import __version__
 
 __all__ = [
     "FORMAT_NAMES", "FloatFormat", "format_table", "get_format",

@@ -14,11 +14,11 @@ git commit, date), ``runs`` (``reference``, ``nearest``, ``stochastic``, each wi
 
 ``--set key=value`` sets a :class:`~lowprec_demo.training.TrainConfig` field (the value read as
 the field's type: ``--set momentum=0.9``, ``--set betas=0.9,0.95``, ``--set sr_seed=None``) or
-one of the experiment's options (read as the type of its default: ``--set dim=8``). Before any
-training the command checks everything it can: an unknown key (the message lists the valid
-ones), a value of the wrong type, a field given both by its flag and by ``--set``, and an
-``--out`` where no file can be written; each ends the command with a usage message and exit
-status 2.
+one of the experiment's options (read as the type its options dataclass declares: ``--set
+dim=8``, ``--set bias=false``). Before any training the command checks everything it can: an
+unknown key (the message lists the valid ones), a value of the wrong type, a field given both by
+its flag and by ``--set``, and an ``--out`` where no file can be written; each ends the command
+with a usage message and exit status 2.
 
 Example:
     ``python -m lowprec_demo run quadratic --format bf16 --out r.json``
@@ -138,9 +138,10 @@ def parse_setting(key: str, text: str, kind: Optional[type] = None, optional: bo
 
 def parse_sets(experiment: str, items: List[str], scale: Optional[str] = None) -> dict:
     """The ``--set key=value`` items as typed settings for ``experiment``: a TrainConfig field
-    parsed to the field's type, an option to the type of its default at ``scale`` (a Python
-    literal, else text, when it has none). Unknown keys, the ``options`` field itself and
-    malformed items raise SettingError, naming what is allowed.
+    parsed to the field's type, an option to the type of its field in the experiment's options
+    dataclass (for an experiment that declares none, the type of its default at ``scale``, or a
+    Python literal, else text). Unknown keys, the ``options`` field itself and malformed items
+    raise SettingError, naming what is allowed.
 
     Example:
         >>> parse_sets("quadratic", ["dim=8", "momentum=0.9"])
@@ -149,7 +150,9 @@ def parse_sets(experiment: str, items: List[str], scale: Optional[str] = None) -
     from .experiments import check_settings, get_experiment
     from .runtime import scale as current_scale
     types = _field_types()
-    defaults = dict(get_experiment(experiment).defaults(current_scale(scale)).get("options", {}))
+    exp = get_experiment(experiment)
+    option_types = {} if exp.option_class is None else exp.option_class.types()
+    defaults = dict(exp.defaults(current_scale(scale)).get("options", {}))
     out = {}
     for item in items:
         key, sep, text = item.partition("=")
@@ -164,6 +167,8 @@ def parse_sets(experiment: str, items: List[str], scale: Optional[str] = None) -
             raise SettingError(f"--set {item}: {error}") from None
         if key in types:
             kind, optional = types[key]
+        elif key in option_types:
+            kind, optional = option_types[key]
         else:
             default = defaults.get(key)
             kind, optional = (None, False) if default is None else (type(default), False)

@@ -38,6 +38,7 @@ from .config import TrainConfig
 from .formats import get_format
 from .prediction import FreezeRecord, freeze_step, steps_agree
 from .runtime import default_file_mode
+from .version import __version__
 
 __all__ = ["RunRecord", "TrainResult", "evidence_table", "atomic_write_json", "git_commit", "provenance",
            "results_dir", "load_result", "stored_results", "describe"]
@@ -331,7 +332,6 @@ def _cpu_model() -> str:
 def provenance(device: str) -> dict:
     """Where a result came from: package and torch versions, device (the GPU's or the CPU's
     model), git commit, date. Example: ``provenance("cpu")["device_name"]`` -> ``"AMD EPYC"``."""
-    from . import __version__
     dev = torch.device(device)
     if dev.type == "cuda":
         name = torch.cuda.get_device_name(dev)

@@ -41,8 +41,9 @@ def test_config_and_results_do_not_need_the_loop():
 
 
 def test_no_package_module_imports_from_itself_in_a_cycle():
-    """Apart from the experiments registry (the package and its one-per-experiment modules),
-    the package's imports form no cycle."""
+    """Apart from the experiments (checked by
+    test_the_experiment_modules_import_the_registry_not_the_package), the package's imports form
+    no cycle."""
     modules = [p.relative_to(PACKAGE).with_suffix("").as_posix().replace("/", ".") for p in PACKAGE.rglob("*.py")]
     modules = [m[:-len(".__init__")] if m.endswith(".__init__") else m for m in modules]
     modules = [m for m in modules if m != "__init__" and not m.startswith("experiments")]
@@ -67,6 +68,34 @@ def test_public_names_where_the_package_exports_them():
     assert lp.TrainResult.__module__ == "lowprec_demo.results"
     assert lp.TrainConfig.__module__ == lp.lr_factor.__module__ == "lowprec_demo.config"
     assert lp.train_variants.__module__ == "lowprec_demo.training"
+
+
+EXPERIMENT_MODULES = ("quadratic", "regression", "mlp", "mnist", "nanogpt", "gpt2")
+
+
+def test_the_experiment_modules_import_the_registry_not_the_package():
+    """The package imports every experiment module; they import the registry (and the GPT ones
+    the shared language module), never the package or each other, so there is no cycle."""
+    for name in EXPERIMENT_MODULES + ("language", "registry"):
+        imported = {d for d in _imports(f"experiments.{name}") if d.startswith("experiments")}
+        assert imported <= {"experiments.registry", "experiments.language"}, (name, imported)
+    assert "experiments.language" not in _imports("experiments.registry")
+
+
+def test_the_version_lives_in_a_module_of_its_own():
+    from lowprec_demo import version
+    assert "version" in _imports("results") and "__version__" not in _imports("results")
+    assert lp.__version__ == version.__version__ == provenance("cpu")["package_version"]
+
+
+def test_names_moved_out_of_a_module_are_still_importable_from_it():
+    from lowprec_demo import experiments
+    from lowprec_demo.experiments import language, nanogpt, registry
+    for name in ("Experiment", "register", "experiment_names", "get_experiment", "ExperimentOptions"):
+        assert getattr(experiments, name) is getattr(registry, name)
+    for name in ("gpt_task", "decay_groups", "shard_rows"):
+        assert getattr(nanogpt, name) is getattr(language, name)
+    assert nanogpt.char_tokens.__module__ == "lowprec_demo.experiments.nanogpt"
 
 
 def test_round_params_nearest_and_stochastic():

@@ -1,10 +1,14 @@
 """The experiments the book and the command line run, by name.
 
-Each experiment module registers an :class:`Experiment`: a description, default settings for the
-quick and full scales, the names of the options its build reads, and a function that builds the
-:class:`~lowprec_demo.training.Task` for a config. ``run_experiment`` is the one way to run any of
-them; a setting that is neither a :class:`~lowprec_demo.training.TrainConfig` field nor one of the
-experiment's options is refused (a ValueError that lists the valid names).
+Each experiment module (``quadratic``, ``regression``, ``mlp``, ``mnist``, ``nanogpt``, ``gpt2``)
+registers an :class:`Experiment` (see :mod:`lowprec_demo.experiments.registry`): a description,
+default settings for the quick and full scales, its options as a frozen dataclass (an
+:class:`ExperimentOptions` subclass such as ``QuadraticOptions``, which states each option's type
+and default), and a function that builds the :class:`~lowprec_demo.training.Task` for a config.
+What the two GPT experiments share is in :mod:`lowprec_demo.experiments.language`.
+``run_experiment`` is the one way to run any of them; a setting that is neither a
+:class:`~lowprec_demo.training.TrainConfig` field nor one of the experiment's options is refused
+(a ValueError that lists the valid names).
 
 Example:
     >>> "quadratic" in experiment_names()
@@ -13,60 +17,30 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Callable, Dict, List, Mapping, Optional, Sequence
+from dataclasses import fields
+from typing import Dict, List, Mapping, Optional, Sequence
 
 from ..runtime import progress_bar
 from ..runtime import scale as current_scale
 from ..config import TrainConfig
 from ..formats import get_format
 from ..results import TrainResult
-from ..training import Task, Variants, train_formats, train_variants
+from ..training import Variants, train_formats, train_variants
+from .registry import Experiment, ExperimentOptions, experiment_names, get_experiment, register
+# importing each experiment's module registers it
+from . import quadratic, regression, mlp, mnist, nanogpt, gpt2  # noqa: F401
+from .quadratic import QuadraticOptions
+from .regression import RegressionOptions
+from .mlp import MLPOptions
+from .mnist import MNISTOptions
+from .language import LanguageModelOptions
+from .nanogpt import NanoGPTOptions
+from .gpt2 import GPT2Options
 
-__all__ = ["Experiment", "register", "experiment_names", "get_experiment", "config_fields", "check_settings",
-           "make_config", "run_experiment", "run_formats", "sweep"]
-
-
-@dataclass
-class Experiment:
-    """A named experiment.
-
-    Attributes:
-        name: the name used by ``run_experiment`` and the command line.
-        description: one line.
-        defaults: ``f(scale) -> dict`` of TrainConfig fields (``options`` for model sizes etc.)
-            for ``"quick"`` and ``"full"``.
-        build: ``f(config) -> Task``.
-        options: the names of every option ``build`` reads from ``config.options`` (those of
-            ``defaults`` and any others); None: not declared, every name is accepted.
-    """
-
-    name: str
-    description: str
-    defaults: Callable[[str], dict]
-    build: Callable[[TrainConfig], Task]
-    options: Optional[Sequence[str]] = None
-
-
-_REGISTRY: Dict[str, Experiment] = {}
-
-
-def register(experiment: Experiment) -> Experiment:
-    """Add an experiment to the registry (a module does this once, at import)."""
-    _REGISTRY[experiment.name] = experiment
-    return experiment
-
-
-def experiment_names() -> list:
-    """Names of all registered experiments."""
-    return sorted(_REGISTRY)
-
-
-def get_experiment(name: str) -> Experiment:
-    """The experiment called ``name``; a ValueError lists the valid names otherwise."""
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown experiment {name!r}; valid experiments: {', '.join(experiment_names())}")
-    return _REGISTRY[name]
+__all__ = ["Experiment", "ExperimentOptions", "register", "experiment_names", "get_experiment", "config_fields",
+           "check_settings", "make_config", "run_experiment", "run_formats", "sweep",
+           "QuadraticOptions", "RegressionOptions", "MLPOptions", "MNISTOptions", "LanguageModelOptions",
+           "NanoGPTOptions", "GPT2Options"]
 
 
 _CONFIG_FIELDS = tuple(f.name for f in fields(TrainConfig) if f.name != "options")
@@ -198,11 +172,3 @@ def run_formats(name: str, formats: Sequence[str], variants: Variants = ("neares
     task = get_experiment(name).build(config)
     return train_formats(name, task, config, formats, variants=variants, progress=progress)
 
-
-# Registration: one module per experiment.
-from . import quadratic  # noqa: E402,F401
-from . import regression  # noqa: E402,F401
-from . import mlp  # noqa: E402,F401
-from . import mnist  # noqa: E402,F401
-from . import nanogpt  # noqa: E402,F401
-from . import gpt2  # noqa: E402,F401

@@ -16,17 +16,19 @@ Tokens: GPT-2's BPE through ``tiktoken`` when its encoding can be loaded, otherw
 (the model keeps its 50304 outputs; only the first 256 are ever targets). The text is Tiny
 Shakespeare, or the offline stand-in (see :func:`lowprec_demo.data.load_shakespeare`).
 
-Options: ``model`` (a name in :data:`lowprec_demo.models.GPT_CONFIGS`, default ``gpt2``),
-``n_layer``, ``n_head``, ``n_embd``, ``vocab_size`` (override the shape, for tests), ``context``
-(tokens per sequence, at most the model's ``block_size`` of 1024), ``batch_size``,
-``eval_batches``, ``val_fraction``, ``tf32`` (allow TensorFloat-32 matrix products on a GPU: faster,
-and the stored weights are unchanged; recorded in the config).
+Options (:class:`GPT2Options`): ``model`` (a name in :data:`lowprec_demo.models.GPT_CONFIGS`,
+default ``gpt2``), ``n_layer``, ``n_head``, ``n_embd``, ``vocab_size`` (override the shape, for
+tests), ``context`` (tokens per sequence, at most the model's ``block_size`` of 1024),
+``batch_size``, ``eval_batches``, ``val_fraction``, ``tf32`` (allow TensorFloat-32 matrix
+products on a GPU: faster, and the stored weights are unchanged; recorded in the config).
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from functools import lru_cache
+from typing import Optional
 
 import torch
 
@@ -35,12 +37,33 @@ from ..models import gpt_config
 from ..prediction import FreezeRecord
 from ..config import TrainConfig
 from ..training import Task
-from . import Experiment, register
-from .nanogpt import gpt_task
+from .language import LanguageModelOptions, gpt_task
+from .registry import Experiment, register
 
-__all__ = ["text_tokens", "layer_of", "by_layer"]
+__all__ = ["GPT2Options", "text_tokens", "layer_of", "by_layer"]
 
 _SHAPE_OPTIONS = ("n_layer", "n_head", "n_embd", "vocab_size")
+
+
+@dataclass(frozen=True)
+class GPT2Options(LanguageModelOptions):
+    """The options of the ``gpt2`` experiment (and ``batch_size``, ``val_fraction``,
+    ``eval_batches`` of :class:`~lowprec_demo.experiments.language.LanguageModelOptions`).
+
+    Attributes:
+        model: a name in :data:`lowprec_demo.models.GPT_CONFIGS`.
+        n_layer, n_head, n_embd, vocab_size: override the model's shape (None: the model's own).
+        context: tokens per sequence, at most the model's ``block_size`` (None: the block size).
+        tf32: allow TensorFloat-32 matrix products on a GPU.
+    """
+
+    model: str = "gpt2"
+    n_layer: Optional[int] = None
+    n_head: Optional[int] = None
+    n_embd: Optional[int] = None
+    vocab_size: Optional[int] = None
+    context: Optional[int] = None
+    tf32: bool = False
 
 
 @lru_cache(maxsize=4)
@@ -94,34 +117,34 @@ def by_layer(record: FreezeRecord) -> dict:
 def _defaults(scale: str) -> dict:
     common = {"format": "e4m3", "lr": 6e-4, "optimizer": "adamw", "betas": (0.9, 0.95), "weight_decay": 0.1,
               "schedule": "cosine", "min_lr_ratio": 0.1, "threshold": 0.99, "lowprec_params": "matrices"}
+    recorded = ("model", "context", "batch_size", "eval_batches")
     if scale == "quick":
         # the real model for a handful of steps at a short context: enough for the lock, on a CPU;
         # every step at the peak learning rate (a cosine over 4 steps would leave only the first
         # there), so that the lock is tested at the largest steps of the recipe
         return {**common, "steps": 4, "warmup_steps": 0, "schedule": "constant",
-                "options": {"model": "gpt2", "context": 64, "batch_size": 4, "eval_batches": 1}}
+                "options": GPT2Options(context=64, batch_size=4, eval_batches=1).to_dict(*recorded)}
     return {**common, "steps": 300, "warmup_steps": 20, "eval_every": 50,
-            "options": {"model": "gpt2", "context": 1024, "batch_size": 16, "eval_batches": 4}}
+            "options": GPT2Options(context=1024, batch_size=16).to_dict(*recorded)}
 
 
 def build(config: TrainConfig) -> Task:
-    o = config.options
+    options = GPT2Options.from_options(config.options)
     tokens, token_vocab, how = text_tokens()
-    shape = {k: int(o[k]) for k in _SHAPE_OPTIONS if k in o}
-    model_config = gpt_config(str(o.get("model", "gpt2")), **shape)
+    shape = {k: getattr(options, k) for k in _SHAPE_OPTIONS if getattr(options, k) is not None}
+    model_config = gpt_config(options.model, **shape)
     if token_vocab > model_config.vocab_size:
         raise ValueError(f"the tokens need a vocabulary of {token_vocab}, the model has {model_config.vocab_size}")
-    context = int(o.get("context", model_config.block_size))
+    context = model_config.block_size if options.context is None else options.context
     if not 1 <= context <= model_config.block_size:
         raise ValueError(f"context must be in 1..{model_config.block_size}, got {context}")
-    if o.get("tf32"):
+    if options.tf32:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     description = (f"GPT ({model_config.n_layer} layers, {model_config.n_head} heads, {model_config.n_embd} wide, "
                    f"vocab {model_config.vocab_size}) at context {context}; {how}")
-    return gpt_task(config, model_config, tokens, context, description)
+    return gpt_task(config, options, model_config, tokens, context, description)
 
 
 register(Experiment(name="gpt2", description="GPT-2 124M with dense weights on an fp8 (E4M3) grid",
-                    defaults=_defaults, build=build,
-                    options=("model", *_SHAPE_OPTIONS, "context", "tf32", "batch_size", "val_fraction", "eval_batches")))
+                    defaults=_defaults, build=build, option_class=GPT2Options))

