@@ -516,7 +516,7 @@ class _Kernel:
         """Compiled when the mode says so, else ``eager()`` (by default the function itself)."""
         n, device = args[0].numel(), args[0].device.type
         # what torch.compile makes a version for: the options and the arguments' dtypes
-        variant = (device, tuple(sorted(options.items())), tuple(getattr(a, "dtype", a) for a in args))
+        variant = (device, tuple(options.items()), tuple(getattr(a, "dtype", a) for a in args))
         mode = _state["mode"]
         if (mode != "off" and n >= MIN_NUMEL and device not in self.failed
                 and (mode == "on" or variant in self.variants or self.eager_numel.get(variant, 0) + n > EAGER_BUDGET)):
@@ -563,6 +563,9 @@ _KERNELS = {
     "nearest_": _Kernel(_rne_fp32_, "nearest_"),
     "stochastic": _Kernel(sr_fp32, "stochastic", first=8),
     "stochastic_": _Kernel(_sr_fp32_, "stochastic_", first=8),
+    # five variants (see freeze_code): torch.compile keeps at most eight versions of a function
+    # (torch._dynamo.config.recompile_limit), and the kernels are called without grad, so that
+    # a caller's grad mode does not double them
     "freeze": _Kernel(freeze_code_fp32, "freeze"),
     "equal_count": _Kernel(equal_count_fp32, "equal_count"),
     "changed_blocks": _Kernel(changed_blocks_fp32, "changed_blocks"),
@@ -690,6 +693,10 @@ def freeze_code(old: torch.Tensor, new: torch.Tensor, fmt: FloatFormat, edges: S
     * ``"paired"`` (an even number of elements) and ``"bytes"``: without the few-bit flag, in
       the layouts of :func:`pair_pattern` (``out`` uint8), with the kernel's options for the
       format (:func:`gap_options`).
+
+    The kernel is compiled in five variants: the codes, the tagged codes, and the three
+    settings of :func:`gap_options` for the two layouts without the flag (the codes with the
+    flag take the general gap handling, as few-bit prediction is the rarer case).
     """
     if layout in ("paired", "bytes"):
         p = _cached_params("freeze", fmt, None, None, old.device, edges)
@@ -768,22 +775,22 @@ def _fold_bytes(counts: list) -> tuple:
     return flagged, [a + b + c + d for a, b, c, d in zip(counts[0::4], counts[1::4], counts[2::4], counts[3::4])]
 
 
-def _fold_counts(layout: str, pack, values: list) -> tuple:
+def _fold_counts(layout: str, pack, values: list, at: int) -> tuple:
     """``(moved, frozen per tensor, few-bit count, histogram of the 64 bin values, how many
-    values were read)`` from the start of ``values``, as :func:`_count_parts` wrote them."""
+    values were read)`` from ``values[at:]``, as :func:`_count_parts` wrote them."""
     k = len(pack.sizes)
-    moved = values[0]
+    moved, counts = values[at], values[at + 1:at + 257]
     if layout == "bytes":   # the zeros in the gaps: a zero update, frozen, bin 0
-        _, hist = _fold_bytes(values[1:257])
+        _, hist = _fold_bytes(counts)
         hist[0] -= sum(pack.pads)
-        return moved, [f - pad for f, pad in zip(values[257:257 + k], pack.pads)], 0, hist, 257 + k
+        return moved, [f - pad for f, pad in zip(values[at + 257:at + 257 + k], pack.pads)], 0, hist, 257 + k
     if layout == "paired":
-        frozen, hist = _fold_bytes(values[1:257])
-        odd = values[257:385]
+        frozen, hist = _fold_bytes(counts)
+        odd = values[at + 257:at + 385]
         frozen += sum(odd[1::2])
         return moved, [frozen], 0, [h + a + b for h, a, b in zip(hist, odd[0::2], odd[1::2])], 385
-    fewbit, hist = _fold_bytes(values[1:257])   # bit 1: the few-bit flag
-    return moved, values[257:257 + k], fewbit, hist, 257 + k
+    fewbit, hist = _fold_bytes(counts)   # bit 1: the few-bit flag
+    return moved, values[at + 257:at + 257 + k], fewbit, hist, 257 + k
 
 
 def count_freezes(pairs: Sequence[tuple], formats: Sequence[FloatFormat], edges: Sequence[int],
@@ -797,6 +804,7 @@ def count_freezes(pairs: Sequence[tuple], formats: Sequence[FloatFormat], edges:
     One kernel pass over each pack per format writes one code per element and returns the sum
     of the move probabilities; the counts come from one bincount per pack, laid out as
     :func:`_layout_for` says, and everything reaches Python in one transfer."""
+    edges = tuple(edges)   # (a key of the parameter cache)
     layouts = [_layout_for(pack, rand_bits) for pack, _, _ in pairs]
     parts = [part for fmt in formats for layout, (pack, old, new) in zip(layouts, pairs)
              for part in _count_parts(layout, pack, old, new, fmt, edges, rand_bits)]
@@ -805,7 +813,7 @@ def count_freezes(pairs: Sequence[tuple], formats: Sequence[FloatFormat], edges:
     for _ in formats:
         moved, frozen, fewbit, hist = 0.0, [], 0, [0] * 64
         for layout, (pack, _, _) in zip(layouts, pairs):
-            m, f, few, h, used = _fold_counts(layout, pack, values[at:])
+            m, f, few, h, used = _fold_counts(layout, pack, values, at)
             moved += m
             fewbit += few
             frozen += [int(x) for x in f]
