@@ -376,6 +376,35 @@ def test_freeze_code_under_every_overflow_policy(compiled, key):
         assert (moved.isnan() and want.isnan()) or math.isclose(moved.item(), want.item(), rel_tol=1e-9)
 
 
+@pytest.mark.parametrize("mode", ["off", "on"])
+@pytest.mark.parametrize("edges", [RATIO_BINS, list(range(-10, 3)), list(range(-60, 2))])
+def test_the_ratio_bins_are_those_of_their_edges(edges, mode):
+    """The histogram of count_freezes is bucketize(log2 ratio, edges) for any consecutive
+    integer edges that fit the code (RATIO_BINS among them), in every layout; other edges are
+    refused."""
+    old, new = freeze_cases("e4m3")
+    n = len(old) // 2 * 2
+    old, new = old[:n], new[:n]
+    fmt = TR.FREEZE_FORMATS["e4m3"]
+    r = update_ulp_ratio(quantize(old, fmt), new - old, fmt).double()
+    mantissa, exponent = torch.frexp(r)          # the exact ceil(log2 r), as exact_bins computes it
+    ceil_log2 = torch.where(mantissa == 0.5, exponent - 1, exponent).double()
+    bins = torch.where(r > 0, (ceil_log2 - edges[0]).clamp(0, len(edges)), torch.zeros_like(r))
+    bins = torch.where(torch.isinf(r), float(len(edges)), bins)[~r.isnan()].to(torch.int64)
+    want = torch.bincount(bins, minlength=len(edges) + 1).tolist()
+    one, several = (_packing.Pack([0], [old]), old, new), split_pack(old, new, 100)
+    previous = _fused.set_mode(mode)
+    try:
+        for pair, k in ((one, None), (one, 3), (several, None), (several, 3)):   # paired, codes, bytes, tagged
+            counts, = _fused.count_freezes([pair], [fmt], edges, k)
+            assert counts.ratio_hist == want, (edges[0], k)
+    finally:
+        _fused.set_mode(previous)
+    for bad in ([0, 2, 3], [], list(range(-70, 1)), [125, 126, 127]):
+        with pytest.raises(ValueError):
+            _fused.ratio_bin_params(bad)
+
+
 def test_equal_count_is_torch_eq(compiled):
     a = torch.tensor([0.0, -0.0, math.nan, math.inf, -math.inf, 1.0, 2.0, math.inf] * 1000)
     b = torch.tensor([-0.0, 0.0, math.nan, math.inf, math.inf, 1.0, 2.5, 3.0] * 1000)
