@@ -32,23 +32,26 @@ Stochastic rounding (``sr_fp32``)
     whenever ``d <= k``. The hash is :func:`hash32` (:func:`lowprec_demo.rounding.random_bits`
     gives the same bits). (Tensors of 2**31 elements or more take the eager path of ``rounding``.)
 
-Freeze statistics (``freeze_code_fp32``)
+Freeze statistics (``freeze_code_fp32``, counted by :func:`count_freezes`)
     For a reference update ``new - old``: the freeze rule of
     :func:`lowprec_demo.rounding.would_freeze`, the SR move probability ``min(1, |d|/gap)``, the
-    few-bit freeze, and the bin of ``log2(|d|/gap)``, packed into one byte per element, and the sum
+    few-bit freeze, and the bin of ``log2(|d|/gap)`` (bins given by their edges, those of
+    :data:`lowprec_demo.prediction.RATIO_BINS`), packed into one byte per element, and the sum
     of the move probabilities. The stored weight ``q(old)`` is rounded by ``rne_fp32``'s own
-    formula on magnitudes (:func:`_rne_magnitude`). The counts
-    come from :func:`torch.bincount` of the bytes, which stalls when long runs of elements share
-    a code (each increment waits for the one before): ``freeze_code_paired_fp32`` lays the bytes
-    out so that two neighbours read as one int16 entry and consecutive entries alternate between
-    two counters. The paired kernel comes in three variants, chosen by the format
-    (:func:`paired_kernel`): divisions by the gap with two scaling factors (bf16, whose smallest
-    gaps are below 2**-127), with one (fp16 and the 8-bit formats), and with the infinite gap at
-    inf of formats without mantissa bits. A pack of a model's small tensors takes the same
-    kernel with another layout (``"bytes"``: one code per entry, 256 bins, lanes alternating
-    element by element) and counts its frozen elements per block of 64
-    (:func:`frozen_blocks_u8`; :func:`changed_blocks_fp32` counts the changed ones for the
-    observer), each tensor of the pack starting at a block's start.
+    formula on magnitudes (:func:`_rne_magnitude`). The counts come from
+    :func:`torch.bincount` of the bytes, which stalls when long runs of elements share a code
+    (each increment waits for the one before): without the few-bit flag the kernel lays the
+    bytes out so that two neighbours read as one int16 entry and consecutive entries alternate
+    between two counters (:func:`pair_pattern`). Its arguments ``infinite_gap`` and
+    ``one_factor`` (:func:`gap_options`, from the format) leave out work a format does not
+    need: the division by the gap takes two scaling factors for bf16 (whose smallest gaps are
+    below 2**-127) and one for fp16 and the 8-bit formats, and only formats without mantissa
+    bits have an infinite gap (at inf); ``torch.compile`` makes one version of the kernel per
+    setting. A pack of a model's small tensors (:mod:`lowprec_demo._packing`) takes another
+    layout (``"bytes"``: one code per entry, 256 bins, lanes alternating element by element)
+    and counts its frozen elements per block of 64 (:func:`frozen_blocks_u8`;
+    :func:`changed_blocks_fp32` counts the changed ones for the observer), each tensor of the
+    pack starting at a block's start.
 
 When is the compiled version used?
     ``LOWPREC_FUSED`` (environment) or :func:`set_mode`: ``"off"`` never, ``"on"`` for every
@@ -76,21 +79,18 @@ import os
 import struct
 import sys
 import time
-from typing import Dict, Optional
+from typing import Dict, List, NamedTuple, Optional, Sequence
 
 import torch
 
 from .formats import FloatFormat
 
 __all__ = ["status", "set_mode", "get_mode", "compile_all", "nearest_params", "stochastic_params",
-           "freeze_params", "seed_words", "hash32", "rne_fp32", "sr_fp32", "freeze_code_fp32", "freeze_code_tagged_fp32",
-           "freeze_code_paired_fp32", "freeze_code_paired_m0_fp32", "freeze_code_paired_1f_fp32",
-           "freeze_code_paired", "paired_kernel", "one_factor_gaps", "paired_counts", "paired_sums",
-           "fold_paired", "fold_bytes",
-           "pair_pattern",
-           "equal_count_fp32", "nearest", "nearest_", "stochastic", "stochastic_", "freeze_code",
-           "equal_count", "changed_blocks_fp32", "frozen_blocks_u8", "changed_blocks", "frozen_blocks",
-           "pack", "copy_into", "fits", "MODES", "CODE_BINS", "BLOCK"]
+           "freeze_params", "ratio_bin_params", "seed_words", "hash32", "rne_fp32", "sr_fp32", "freeze_code_fp32",
+           "gap_options", "one_factor_gaps", "pair_pattern", "equal_count_fp32", "nearest", "nearest_",
+           "stochastic", "stochastic_", "freeze_code", "FreezeCounts", "count_freezes", "equal_count",
+           "changed_blocks_fp32", "frozen_blocks_u8", "changed_blocks", "frozen_blocks", "fits", "MODES",
+           "BLOCK"]
 
 MODES = ("auto", "on", "off")
 EAGER_BUDGET = 1 << 27         # "auto": compile once a kernel's eager work would reach this many elements
@@ -102,7 +102,6 @@ _INF_BITS = 0x7F800000
 _NAN_BITS = 0x7FC00000
 _HALF_BITS = 0x3F000000
 _M32 = 0xFFFFFFFF
-CODE_BINS = 34                 # log2(ratio) bins of lowprec_demo.prediction.RATIO_BINS, plus one
 _NO_BIN = 63                   # the bin field of a NaN ratio: counted nowhere
 
 
@@ -136,16 +135,37 @@ def stochastic_params(fmt: FloatFormat, policy: str, rand_bits: Optional[int], s
             _f32_bits(fmt.smallest_subnormal), s1, s2, 0]
 
 
-def freeze_params(fmt: FloatFormat, rand_bits: Optional[int]) -> list:
+def freeze_params(fmt: FloatFormat, rand_bits: Optional[int], edges: Sequence[int]) -> list:
     """``[m, e_min + 127, bits of max, overflow bits, stuck bits, bits of 2**-(k+1), k, stuck
-    limit]`` for :func:`freeze_code_fp32` (the format's own overflow policy; k = 0 when there is
-    no few-bit prediction). The stuck weight is the one every outward update leaves in place:
+    limit]`` and the two numbers of :func:`ratio_bin_params` for :func:`freeze_code_fp32` (the
+    format's own overflow policy; k = 0 when there is no few-bit prediction; ``edges`` the
+    histogram's bin edges). The stuck weight is the one every outward update leaves in place:
     the max where the format saturates, inf where it overflows to inf (-1: none, as with NaN);
     the stuck limit is the bits of inf where any finite update leaves it in place (inf), else 0."""
     k = 0 if rand_bits is None else rand_bits
     stuck = {"saturate": _f32_bits(fmt.max), "inf": _INF_BITS, "nan": -1}[fmt.overflow]
     return [fmt.man_bits, fmt.e_min + 127, _f32_bits(fmt.max), _overflow_bits(fmt, fmt.overflow),
-            stuck, (127 - k - 1) << 23, k, _INF_BITS if fmt.overflow == "inf" else 0]
+            stuck, (127 - k - 1) << 23, k, _INF_BITS if fmt.overflow == "inf" else 0] + ratio_bin_params(edges)
+
+
+def ratio_bin_params(edges: Sequence[int]) -> list:
+    """``[127 + edges[0], len(edges)]``: the bins of ``log2(|d|/gap)`` as the freeze kernel
+    computes them, for edges that are consecutive integers (such as
+    :data:`lowprec_demo.prediction.RATIO_BINS`). ``bucketize(log2 r, edges)`` is then
+    ``ceil(log2 r) - edges[0]``, clamped to ``0..len(edges)``: the biased exponent of ``r``
+    rounded up, less the first number. The bins must fit in the code's 6 bits, the last value
+    (63) left for NaN.
+
+    Example:
+        >>> ratio_bin_params(range(-24, 9))
+        [103, 33]
+    """
+    edges = [int(e) for e in edges]
+    if not edges or edges != list(range(edges[0], edges[0] + len(edges))):
+        raise ValueError(f"the ratio bins' edges must be consecutive integers; got {edges}")
+    if len(edges) >= _NO_BIN or not -126 <= edges[0] <= 127 - len(edges):
+        raise ValueError(f"{len(edges) + 1} bins from {edges[0]} do not fit the freeze code")
+    return [127 + edges[0], len(edges)]
 
 
 def seed_words(seed: int, stream: int = 0) -> tuple:
@@ -248,47 +268,38 @@ def sr_fp32(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return _repack(out, bits & _INT32_MIN, _above(u, _INF_BITS), max_bits, over_bits)
 
 
-def freeze_code_fp32(old: torch.Tensor, new: torch.Tensor, p: torch.Tensor):
-    """:func:`_freeze_code` with the code as uint8."""
-    code, moved = _freeze_code(old, new, p)
-    return code.to(torch.uint8), moved
+def freeze_code_fp32(old: torch.Tensor, new: torch.Tensor, p: torch.Tensor, out: torch.Tensor,
+                     pattern: Optional[torch.Tensor] = None, fewbit: bool = True, infinite_gap: bool = True,
+                     one_factor: bool = False) -> torch.Tensor:
+    """The codes of :func:`_freeze_code` (its ``fewbit``, ``infinite_gap`` and ``one_factor``
+    as given: Python values, on which ``torch.compile`` specialises) written into ``out``, one
+    per element, laid out as ``pattern`` says; returns the sum of the move probabilities
+    (float64, 0-dim).
 
-
-def freeze_code_tagged_fp32(old: torch.Tensor, new: torch.Tensor, tag: torch.Tensor, p: torch.Tensor):
-    """:func:`_freeze_code` with ``tag`` (int32, one per element: the index of the element's
-    tensor in a pack, shifted left by 8) or-ed into the code: one bincount then counts the codes
-    of every tensor of the pack. (int32 throughout: inductor's CPU code handles int16 lane by
-    lane.)"""
-    code, moved = _freeze_code(old, new, p)
-    return code | tag, moved
-
-
-def freeze_code_paired_fp32(old: torch.Tensor, new: torch.Tensor, p: torch.Tensor, out: torch.Tensor,
-                            pattern: torch.Tensor) -> torch.Tensor:
-    """:func:`_freeze_code` without the few-bit flag, for formats with mantissa bits, written
-    into ``out`` (uint8, one per element) so that two neighbours read as one int16
-    (little-endian) make one :func:`torch.bincount` entry: half as many entries, and consecutive
-    entries alternate between two counters where the codes repeat (a run of equal codes
-    otherwise makes every increment wait for the one before). With ``c = frozen | bin << 1``
-    (below 128), element ``i`` holds ``c << 1 | ((i >> 1) & 1)`` when ``i`` is even and ``c``
-    when it is odd, so that the int16 is not negative. ``pattern`` (uint8, as long as ``old``:
-    :func:`pair_pattern`) holds ``1 | ((i >> 1) & 1) << 1`` for even ``i`` and 0 for odd ones
-    (read from memory: inductor's CPU code builds an element index lane by lane, which costs
-    more). Returns the sum of the move probabilities (float64, 0-dim)."""
-    return _paired(old, new, p, out, pattern, infinite_gap=False)
-
-
-def freeze_code_paired_m0_fp32(old: torch.Tensor, new: torch.Tensor, p: torch.Tensor, out: torch.Tensor,
-                               pattern: torch.Tensor) -> torch.Tensor:
-    """:func:`freeze_code_paired_fp32` for formats without mantissa bits (an infinite gap at inf)."""
-    return _paired(old, new, p, out, pattern, infinite_gap=True)
-
-
-def freeze_code_paired_1f_fp32(old: torch.Tensor, new: torch.Tensor, p: torch.Tensor, out: torch.Tensor,
-                               pattern: torch.Tensor) -> torch.Tensor:
-    """:func:`freeze_code_paired_fp32` for formats whose gaps a single float32 factor divides
-    by (:func:`one_factor_gaps`: fp16 and the 8-bit formats, not bf16)."""
-    return _paired(old, new, p, out, pattern, infinite_gap=False, one_factor=True)
+    ``pattern`` None
+        The code itself (``out`` uint8).
+    ``pattern`` int32 (tags)
+        The code or-ed with the tag (``out`` int32): the index of the element's tensor in a
+        pack, shifted left by 8, so that one bincount counts the codes of every tensor of the
+        pack. (int32 throughout: inductor's CPU code handles int16 lane by lane.)
+    ``pattern`` uint8 (:func:`pair_pattern`, with ``fewbit=False``)
+        Two neighbours read as one int16 (little-endian) make one :func:`torch.bincount`
+        entry: half as many entries, and consecutive entries alternate between two counters
+        where the codes repeat (a run of equal codes otherwise makes every increment wait for
+        the one before). With ``c = frozen | bin << 1`` (below 128), element ``i`` holds
+        ``c << 1 | ((i >> 1) & 1)`` when ``i`` is even and ``c`` when it is odd, so that the
+        int16 is not negative: the pattern holds ``1 | ((i >> 1) & 1) << 1`` for even ``i``
+        and 0 for odd ones (read from memory: inductor's CPU code builds an element index lane
+        by lane, which costs more). The ``"bytes"`` pattern lays out one code per entry."""
+    code, moved = _freeze_code(old, new, p, fewbit=fewbit, infinite_gap=infinite_gap, one_factor=one_factor)
+    if pattern is None:
+        out.copy_(code.to(torch.uint8))
+    elif pattern.dtype == torch.int32:
+        out.copy_(code | pattern)
+    else:
+        layout = pattern.to(torch.int32)
+        out.copy_(((code << (layout & 1)) | (layout >> 1)).to(torch.uint8))
+    return moved
 
 
 def one_factor_gaps(fmt: FloatFormat) -> bool:
@@ -297,18 +308,26 @@ def one_factor_gaps(fmt: FloatFormat) -> bool:
     return fmt.man_bits >= 2 and fmt.e_min - fmt.man_bits >= -127
 
 
-def _paired(old, new, p, out, pattern, infinite_gap: bool, one_factor: bool = False) -> torch.Tensor:
-    code, moved = _freeze_code(old, new, p, fewbit=False, infinite_gap=infinite_gap, one_factor=one_factor)
-    layout = pattern.to(torch.int32)
-    out.copy_(((code << (layout & 1)) | (layout >> 1)).to(torch.uint8))
-    return moved
+def gap_options(fmt: FloatFormat) -> dict:
+    """The ``infinite_gap`` and ``one_factor`` arguments of :func:`freeze_code_fp32` for the
+    format: the infinite gap at inf only without mantissa bits, the division by the gap with
+    one factor where :func:`one_factor_gaps` allows it.
+
+    Example:
+        >>> from lowprec_demo.formats import get_format
+        >>> gap_options(get_format("bf16")), gap_options(get_format("e4m3"))
+        ({'infinite_gap': False, 'one_factor': False}, {'infinite_gap': False, 'one_factor': True})
+    """
+    if not fmt.man_bits:
+        return {"infinite_gap": True, "one_factor": False}
+    return {"infinite_gap": False, "one_factor": one_factor_gaps(fmt)}
 
 
 _PATTERNS: Dict[tuple, torch.Tensor] = {}
 
 
 def pair_pattern(n: int, device, layout: str = "paired") -> torch.Tensor:
-    """The layout bytes of :func:`freeze_code_paired_fp32` for ``n`` elements: a view of one
+    """The layout bytes of :func:`freeze_code_fp32` for ``n`` elements: a view of one
     tensor per device and layout, kept and grown to the longest asked for. ``"paired"``: two
     codes per int16 bincount entry (see there); ``"bytes"``: every element holds
     ``c << 1 | (i & 1)`` (the pattern ``1 | (i & 1) << 1``), one uint8 bincount entry each,
@@ -353,8 +372,9 @@ def _freeze_code(old: torch.Tensor, new: torch.Tensor, p: torch.Tensor, fewbit: 
     Returns ``(code, moved)``: ``code`` (int32, one per element, below 256) holds in bit 0 whether the
     element freezes (:func:`lowprec_demo.rounding.would_freeze`), in bit 1 whether ``|d|/gap``
     is at most ``2**-(k+1)`` (few-bit SR never moves it) and in bits 2-7 the bin of
-    ``log2(|d|/gap)`` (0..33, as ``bucketize`` with edges -24..8; ratio 0 in bin 0; 63 for
-    NaN); with ``fewbit=False`` there is no few-bit flag and the bin sits in bits 1-6.
+    ``log2(|d|/gap)`` (as ``bucketize`` with the edges of :func:`ratio_bin_params`: 0..33 for
+    edges -24..8; ratio 0 in bin 0; 63 for NaN); with ``fewbit=False`` there is no few-bit
+    flag and the bin sits in bits 1-6.
     ``moved`` (float64, 0-dim) is the sum of the move probabilities ``min(1, |d|/gap)``, with k
     random bits resolved to k bits as :func:`lowprec_demo.rounding.move_probability` does
     (``fewbit=False``: full resolution).
@@ -409,9 +429,9 @@ def _freeze_code(old: torch.Tensor, new: torch.Tensor, p: torch.Tensor, fewbit: 
     # the stuck weight (saturated max, or inf) stays under an outward update; inf under any finite one
     frozen = frozen | ((wu == stuck_bits) & (~opposite | (du < stuck_limit)))
     frozen = frozen & (torch.maximum(wu, du) <= _INF_BITS)                 # NaN never (w: "nan" overflow)
-    # log2(ratio) rounded up (a nonzero mantissa carries into the exponent), + 24: the bin of
-    # bucketize(log2 ratio, -24..8)
-    bin_ = torch.clamp(((rb + 0x7FFFFF) >> 23) - 103, min=0, max=CODE_BINS - 1)
+    # log2(ratio) rounded up (a nonzero mantissa carries into the exponent), less the first
+    # edge: the bin of bucketize(log2 ratio, edges)
+    bin_ = torch.minimum(torch.clamp(((rb + 0x7FFFFF) >> 23) - p[8], min=0), p[9])
     bin_ = torch.where(rb > _INF_BITS, _NO_BIN, bin_)
     probability = torch.clamp(ratio, max=1.0)
     if not fewbit:   # no few-bit flag: the bin right above the frozen bit
@@ -443,7 +463,7 @@ def changed_blocks_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def frozen_blocks_u8(codes: torch.Tensor) -> torch.Tensor:
     """How many elements freeze in each block of :data:`BLOCK` codes written by
-    :func:`freeze_code_paired_fp32` in the ``"bytes"`` layout (the frozen flag in bit 1), as
+    :func:`freeze_code_fp32` in the ``"bytes"`` layout (the frozen flag in bit 1), as
     float32 (exact)."""
     return ((codes.to(torch.int32) >> 1) & 1).to(torch.float32).view(-1, BLOCK).sum(1)
 
@@ -462,22 +482,24 @@ def _sr_fp32_(x: torch.Tensor, p: torch.Tensor) -> None:
 EAGER_CHUNK = 1 << 16   # eagerly, tensors go in slices this long: each temporary stays in the L2 cache
 
 
-def _sliced(fn, args: tuple, first: Optional[int] = None):
-    """``fn(*args)`` run eagerly slice by slice: every argument as long as the first one sliced
-    alike, the others whole; with ``first``, the parameter tensor (the last argument) told at
-    that position where each slice starts. Each returned tensor as long as its slice goes
-    straight into one output tensor (while the slice is still in the cache), others are
-    concatenated and 0-dim ones (sums) added in slice order: the bits of one call."""
+def _sliced(fn, args: tuple, first: Optional[int] = None, options: Optional[dict] = None):
+    """``fn(*args, **options)`` run eagerly slice by slice: every tensor argument as long as the
+    first one sliced alike, the others whole; with ``first``, the parameter tensor (the last
+    argument) told at that position where each slice starts. Each returned tensor as long as
+    its slice goes straight into one output tensor (while the slice is still in the cache),
+    others are concatenated and 0-dim ones (sums) added in slice order: the bits of one call."""
     n = args[0].numel()
+    options = options or {}
     if n <= EAGER_CHUNK:
-        return fn(*args)
+        return fn(*args, **options)
     outs, pieces, single = None, None, False
     for start in range(0, n, EAGER_CHUNK):
-        sliced = [a[start:start + EAGER_CHUNK] if a.dim() and a.numel() == n else a for a in args]
+        sliced = [a[start:start + EAGER_CHUNK] if torch.is_tensor(a) and a.dim() and a.numel() == n else a
+                  for a in args]
         if first is not None:
             sliced[-1] = sliced[-1].clone()
             sliced[-1][first] += start
-        part = fn(*sliced)
+        part = fn(*sliced, **options)
         if part is None:
             continue
         single = not isinstance(part, tuple)
@@ -499,53 +521,58 @@ def _sliced(fn, args: tuple, first: Optional[int] = None):
 
 
 class _Kernel:
-    """A kernel function with its compiled versions (``torch.compile``, one per device type),
-    the time each first compiled call took, the calls that ran each way and why compiling
-    failed, if it did. ``first``: where its parameters hold the index of the first element."""
+    """A kernel function with its compiled versions (``torch.compile``, one per device type,
+    which makes one version per setting of the keyword options a call passes and per dtypes of
+    its arguments: a variant), the time the first compiled call of each variant took, the calls
+    that ran each way and why compiling failed, if it did. In mode ``"auto"`` each variant
+    counts its own eager work. ``first``: where its parameters hold the index of the first
+    element."""
 
     def __init__(self, fn, name: str, first: Optional[int] = None) -> None:
         self.fn, self.name, self.first = fn, name, first
         self.compiled: Dict[str, object] = {}
-        self.compile_seconds: Dict[str, float] = {}
+        self.variants: Dict[tuple, float] = {}   # (device type, options, dtypes): seconds of the first compiled call
         self.failed: Dict[str, str] = {}
-        self.eager_numel = 0
+        self.eager_numel: Dict[tuple, int] = {}
         self.calls = {"compiled": 0, "eager": 0}
 
-    def __call__(self, *args, eager=None):
+    def __call__(self, *args, eager=None, **options):
         """Compiled when the mode says so, else ``eager()`` (by default the function itself)."""
         n, device = args[0].numel(), args[0].device.type
+        # what torch.compile makes a version for: the options and the arguments' dtypes
+        variant = (device, tuple(options.items()), tuple(getattr(a, "dtype", a) for a in args))
         mode = _state["mode"]
         if (mode != "off" and n >= MIN_NUMEL and device not in self.failed
-                and (mode == "on" or device in self.compiled or self.eager_numel + n > EAGER_BUDGET)):
+                and (mode == "on" or variant in self.variants or self.eager_numel.get(variant, 0) + n > EAGER_BUDGET)):
             try:
+                start = time.perf_counter()
                 with torch.no_grad():   # one grad mode: no recompiling for callers with grad on
-                    out = self.compiled_call(device)(*args)
+                    out = self.compiled_call(device)(*args, **options)
+                if variant not in self.variants:
+                    self.variants[variant] = time.perf_counter() - start
                 self.calls["compiled"] += 1
                 return out
             except Exception as error:  # no compiler, unsupported platform...: eagerly from now on
                 lines = str(error).strip().splitlines()
                 self.failed[device] = f"{type(error).__name__}: {lines[0][:300] if lines else ''}"
                 self.compiled.pop(device, None)
-        self.eager_numel += n
+        self.eager_numel[variant] = self.eager_numel.get(variant, 0) + n
         self.calls["eager"] += 1
-        return _sliced(self.fn, args, self.first) if eager is None else eager()
+        return _sliced(self.fn, args, self.first, options) if eager is None else eager()
 
     def compiled_call(self, device_type: str):
-        """The compiled function for the device type, made (not yet compiled) on first use; its
-        first call is timed."""
+        """The compiled function for the device type, made (not yet compiled) on first use."""
         fn = self.compiled.get(device_type)
-        if fn is not None:
-            return fn
-        compiled = torch.compile(self.fn, dynamic=True, fullgraph=True)
+        if fn is None:
+            fn = self.compiled[device_type] = torch.compile(self.fn, dynamic=True, fullgraph=True)
+        return fn
 
-        def first_call(*args):
-            start = time.perf_counter()
-            out = compiled(*args)
-            self.compile_seconds[device_type] = time.perf_counter() - start
-            self.compiled[device_type] = compiled
-            return out
-        self.compiled[device_type] = first_call
-        return first_call
+    def compile_seconds(self) -> Dict[str, float]:
+        """Per device type, the time the first compiled call of every setting took, summed."""
+        seconds: Dict[str, float] = {}
+        for (device, _, _), t in self.variants.items():
+            seconds[device] = seconds.get(device, 0.0) + t
+        return seconds
 
 
 def _env_mode() -> str:
@@ -560,11 +587,10 @@ _KERNELS = {
     "nearest_": _Kernel(_rne_fp32_, "nearest_"),
     "stochastic": _Kernel(sr_fp32, "stochastic", first=8),
     "stochastic_": _Kernel(_sr_fp32_, "stochastic_", first=8),
+    # five variants (see freeze_code): torch.compile keeps at most eight versions of a function
+    # (torch._dynamo.config.recompile_limit), and the kernels are called without grad, so that
+    # a caller's grad mode does not double them
     "freeze": _Kernel(freeze_code_fp32, "freeze"),
-    "freeze_tagged": _Kernel(freeze_code_tagged_fp32, "freeze_tagged"),
-    "freeze_paired": _Kernel(freeze_code_paired_fp32, "freeze_paired"),
-    "freeze_paired_m0": _Kernel(freeze_code_paired_m0_fp32, "freeze_paired_m0"),
-    "freeze_paired_1f": _Kernel(freeze_code_paired_1f_fp32, "freeze_paired_1f"),
     "equal_count": _Kernel(equal_count_fp32, "equal_count"),
     "changed_blocks": _Kernel(changed_blocks_fp32, "changed_blocks"),
     "frozen_blocks": _Kernel(frozen_blocks_u8, "frozen_blocks"),
@@ -596,8 +622,8 @@ def status() -> dict:
 
     Example: ``status()["mode"]`` -> ``"auto"``."""
     return {"mode": _state["mode"], "torch": torch.__version__,
-            "kernels": {name: {"compiled": sorted(k.compile_seconds), "compile_seconds": dict(k.compile_seconds),
-                               "failed": dict(k.failed), "calls": dict(k.calls)}
+            "kernels": {name: {"compiled": sorted(k.compile_seconds()), "compile_seconds": k.compile_seconds(),
+                               "variants": len(k.variants), "failed": dict(k.failed), "calls": dict(k.calls)}
                         for name, k in _KERNELS.items()}}
 
 
@@ -614,12 +640,12 @@ _PARAM_CACHE: Dict[tuple, torch.Tensor] = {}
 
 
 def _cached_params(kind: str, fmt: FloatFormat, policy: Optional[str], rand_bits: Optional[int],
-                   device: torch.device) -> torch.Tensor:
+                   device: torch.device, edges: Sequence[int] = ()) -> torch.Tensor:
     """The parameter tensor of a format (no seed), made once per device."""
-    key = (kind, fmt, policy, rand_bits, device)
+    key = (kind, fmt, policy, rand_bits, device, tuple(edges))
     t = _PARAM_CACHE.get(key)
     if t is None:
-        values = nearest_params(fmt, policy) if kind == "nearest" else freeze_params(fmt, rand_bits)
+        values = nearest_params(fmt, policy) if kind == "nearest" else freeze_params(fmt, rand_bits, edges)
         if len(_PARAM_CACHE) > 256:
             _PARAM_CACHE.clear()
         t = _PARAM_CACHE[key] = torch.tensor(values, dtype=torch.int32, device=device)
@@ -674,113 +700,151 @@ def frozen_blocks(codes: torch.Tensor) -> torch.Tensor:
     return _KERNELS["frozen_blocks"](codes)
 
 
-def freeze_code(old: torch.Tensor, new: torch.Tensor, fmt: FloatFormat, rand_bits: Optional[int],
-                tag: Optional[torch.Tensor] = None):
-    """:func:`freeze_code_fp32` of two flat float32 tensors, or with ``tag``
-    :func:`freeze_code_tagged_fp32`."""
-    p = _cached_params("freeze", fmt, None, rand_bits, old.device)
-    if tag is None:
-        return _KERNELS["freeze"](old, new, p)
-    return _KERNELS["freeze_tagged"](old, new, tag, p)
+LAYOUTS = ("codes", "tagged", "paired", "bytes")
 
 
-def freeze_code_paired(old: torch.Tensor, new: torch.Tensor, fmt: FloatFormat, out: torch.Tensor,
-                       layout: str = "paired") -> torch.Tensor:
-    """:func:`freeze_code_paired_fp32` of two flat float32 tensors into ``out`` in the layout
-    of :func:`pair_pattern` (``"paired"``: an even number of elements); returns the move sum
-    (no few-bit prediction)."""
-    p = _cached_params("freeze", fmt, None, None, old.device)
-    pattern = pair_pattern(old.numel(), old.device, layout)
-    return _KERNELS[paired_kernel(fmt)[0]](old, new, p, out, pattern)
+def freeze_code(old: torch.Tensor, new: torch.Tensor, fmt: FloatFormat, edges: Sequence[int], out: torch.Tensor,
+                layout: str = "codes", rand_bits: Optional[int] = None,
+                tags: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """:func:`freeze_code_fp32` of two flat float32 tensors into ``out``, compiled or eagerly,
+    with the ratio bins of ``edges`` (:func:`ratio_bin_params`); returns the sum of the move
+    probabilities (float64, 0-dim). ``layout``:
 
+    * ``"codes"``: one code per element with the few-bit flag (``out`` uint8; ``rand_bits``
+      k, or None: no few-bit prediction, the flag then marks the ratios up to 1/2);
+    * ``"tagged"``: the same or-ed with ``tags`` (``out`` int32; the tags of
+      :meth:`lowprec_demo._packing.Pack.tags`);
+    * ``"paired"`` (an even number of elements) and ``"bytes"``: without the few-bit flag, in
+      the layouts of :func:`pair_pattern` (``out`` uint8), with the kernel's options for the
+      format (:func:`gap_options`).
 
-def paired_kernel(fmt: FloatFormat) -> tuple:
-    """The name and function of the paired freeze kernel for the format."""
-    if not fmt.man_bits:
-        return "freeze_paired_m0", freeze_code_paired_m0_fp32
-    if one_factor_gaps(fmt):
-        return "freeze_paired_1f", freeze_code_paired_1f_fp32
-    return "freeze_paired", freeze_code_paired_fp32
+    The kernel is compiled in five variants: the codes, the tagged codes, and the three
+    settings of :func:`gap_options` for the two layouts without the flag (the codes with the
+    flag take the general gap handling, as few-bit prediction is the rarer case).
+    """
+    if layout in ("paired", "bytes"):
+        p = _cached_params("freeze", fmt, None, None, old.device, edges)
+        pattern = pair_pattern(old.numel(), old.device, layout)
+        return _KERNELS["freeze"](old, new, p, out, pattern, fewbit=False, **gap_options(fmt))
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}; got {layout!r}")
+    p = _cached_params("freeze", fmt, None, rand_bits, old.device, edges)
+    return _KERNELS["freeze"](old, new, p, out, tags if layout == "tagged" else None,
+                              fewbit=True, infinite_gap=True, one_factor=False)
 
 
 PAIRED_BINCOUNT = sys.byteorder == "little"   # two uint8 codes read as one int16
 
 
-def paired_sums(out: torch.Tensor) -> tuple:
-    """The counts of the codes written by :func:`freeze_code_paired`, from one bincount of their
-    int16 pairs, summed two ways: ``even`` (256, int64) per (bin, frozen, lane) of the even
-    element of a pair, ``odd`` (128) per (bin, frozen) of the odd one; :func:`fold_paired`
-    turns them (as lists) into the frozen count and the histogram. (Two plain reductions of the
-    32768 counts; the rest in Python on the short lists, where it costs less than more tensor
-    operations.)"""
-    rows = torch.bincount(out.view(torch.int16), minlength=1 << 15).view(128, 256)
-    return rows.sum(0), rows.sum(1)
+class FreezeCounts(NamedTuple):
+    """What :func:`count_freezes` counts for one format.
 
-
-def fold_paired(even: list, odd: list) -> tuple:
-    """The frozen count and the histogram of the 64 bin values from :func:`paired_sums`."""
-    frozen, hist = fold_bytes(even)
-    return frozen + sum(odd[1::2]), [h + a + b for h, a, b in zip(hist, odd[0::2], odd[1::2])]
-
-
-def fold_bytes(counts: list) -> tuple:
-    """The frozen count and the histogram of the 64 bin values from the 256 counts per
-    (bin, frozen, lane) of codes in the ``"bytes"`` layout (``torch.bincount(out,
-    minlength=256)``), or of the even elements in the paired one. (In general: of 256 counts
-    per byte, the count of the bytes with bit 1 set and the histogram of bits 2-7; for the
-    codes of :func:`freeze_code_fp32` that is the few-bit count.)"""
-    frozen = sum(counts[2::4]) + sum(counts[3::4])
-    return frozen, [a + b + c + d for a, b, c, d in zip(counts[0::4], counts[1::4], counts[2::4], counts[3::4])]
-
-
-def paired_counts(out: torch.Tensor) -> tuple:
-    """The frozen count (int) and the histogram of the 64 bin values (a list) of codes written
-    by :func:`freeze_code_paired`."""
-    even, odd = paired_sums(out)
-    return fold_paired(even.tolist(), odd.tolist())
-
-
-SMALL_NUMEL = 1 << 16      # tensors below this size are packed together, one kernel call each pack
-PACK_NUMEL = 1 << 20       # the most elements in one pack
-PACK_TENSORS = 256         # the most tensors in one pack
-
-
-def copy_into(targets: list, sources: list) -> None:
-    """``t.copy_(s)`` for each pair, in one call where torch has ``_foreach_copy_``."""
-    if len(targets) > 1 and hasattr(torch, "_foreach_copy_"):
-        torch._foreach_copy_(targets, sources)
-    else:
-        for t, s in zip(targets, sources):
-            t.copy_(s)
-
-
-def pack(tensors: list) -> list:
-    """Split a list of tensors into runs of consecutive indices: every tensor of at least
-    :data:`SMALL_NUMEL` elements alone, the small ones packed, up to :data:`PACK_NUMEL` elements
-    and :data:`PACK_TENSORS` tensors per pack, so that a model's many small tensors cost one kernel call instead of one each.
-
-    Example:
-        >>> pack([torch.zeros(3), torch.zeros(4), torch.zeros(1 << 16), torch.zeros(5)])
-        [[0, 1], [2], [3]]
+    Attributes:
+        moved: the sum of the move probabilities ``min(1, |d|/gap)`` (with k random bits
+            resolved to k bits).
+        frozen: the elements that freeze, per tensor, pack after pack.
+        fewbit: the elements whose ratio few-bit SR never moves (0 without few-bit prediction).
+        ratio_hist: the elements per bin of ``log2(|d|/gap)``, ``len(edges) + 1`` bins (NaN
+            ratios in none).
     """
-    groups, run, run_numel = [], [], 0
-    for i, t in enumerate(tensors):
-        n = t.numel()
-        if n >= SMALL_NUMEL:
-            if run:
-                groups.append(run)
-                run, run_numel = [], 0
-            groups.append([i])
-            continue
-        if run and (run_numel + n > PACK_NUMEL or len(run) >= PACK_TENSORS or t.device != tensors[run[0]].device
-                    or t.dtype != tensors[run[0]].dtype):
-            groups.append(run)
-            run, run_numel = [], 0
-        run.append(i)
-        run_numel += n
-    if run:
-        groups.append(run)
-    return groups
+
+    moved: float
+    frozen: List[int]
+    fewbit: int
+    ratio_hist: List[int]
+
+
+def _layout_for(pack, rand_bits: Optional[int]) -> str:
+    """How :func:`count_freezes` lays out and counts the codes of a pack: without few-bit
+    prediction two codes per bincount entry (one tensor of an even number of elements) or one
+    (several tensors: 256 bins, the frozen elements per block); else the codes with the few-bit
+    flag, tagged by tensor where there are several."""
+    if rand_bits is None and pack.several:
+        return "bytes"
+    if rand_bits is None and pack.numel % 2 == 0 and PAIRED_BINCOUNT:
+        return "paired"
+    return "tagged" if pack.several else "codes"
+
+
+def _count_parts(layout: str, pack, old: torch.Tensor, new: torch.Tensor, fmt: FloatFormat,
+                 edges: Sequence[int], rand_bits: Optional[int]) -> List[torch.Tensor]:
+    """The counts of one pack and format as flat tensors, read back by :func:`_fold_counts`:
+    the move sum first, then 256 counts of code bytes, then per layout 128 more (``"paired"``:
+    those of the odd elements) or one number per tensor (its frozen elements)."""
+    if layout in ("bytes", "paired"):
+        codes = pack.codes()
+        moved = freeze_code(old, new, fmt, edges, codes, layout)
+        if layout == "bytes":   # one byte per bincount entry, the frozen elements per block
+            return [moved.reshape(1), torch.bincount(codes, minlength=256), pack.per_tensor(frozen_blocks(codes))]
+        # two codes per entry: ``even`` (256) per (bin, frozen, lane) of the even element of a
+        # pair, ``odd`` (128) per (bin, frozen) of the odd one (two plain reductions of the
+        # 32768 counts; the rest in Python on the short lists, where it costs less)
+        rows = torch.bincount(codes.view(torch.int16), minlength=1 << 15).view(128, 256)
+        return [moved.reshape(1), rows.sum(0), rows.sum(1)]
+    # one bincount: frozen, few-bit and bin jointly, per tensor of the pack (the gaps between
+    # tensors have a tag of their own, a row left out)
+    code = torch.empty(pack.numel, dtype=torch.int32 if layout == "tagged" else torch.uint8, device=old.device)
+    moved = freeze_code(old, new, fmt, edges, code, layout, rand_bits, pack.tags())
+    k = len(pack.sizes)
+    joint = torch.bincount(code, minlength=256 * (k + pack.several)).view(-1, 256)[:k]
+    return [moved.reshape(1), joint.sum(0), joint.view(-1, 128, 2)[:, :, 1].sum(1)]
+
+
+def _fold_bytes(counts: list) -> tuple:
+    """From 256 counts per code byte with the frozen flag in bit 1 and the bin in bits 2-7
+    (the ``"bytes"`` layout, the even elements of the ``"paired"`` one) or the few-bit flag in
+    bit 1 (the codes with the flag): the count of the bytes with bit 1 set and the histogram of
+    the 64 values of bits 2-7."""
+    flagged = sum(counts[2::4]) + sum(counts[3::4])
+    return flagged, [a + b + c + d for a, b, c, d in zip(counts[0::4], counts[1::4], counts[2::4], counts[3::4])]
+
+
+def _fold_counts(layout: str, pack, values: list, at: int) -> tuple:
+    """``(moved, frozen per tensor, few-bit count, histogram of the 64 bin values, how many
+    values were read)`` from ``values[at:]``, as :func:`_count_parts` wrote them."""
+    k = len(pack.sizes)
+    moved, counts = values[at], values[at + 1:at + 257]
+    if layout == "bytes":   # the zeros in the gaps: a zero update, frozen, bin 0
+        _, hist = _fold_bytes(counts)
+        hist[0] -= sum(pack.pads)
+        return moved, [f - pad for f, pad in zip(values[at + 257:at + 257 + k], pack.pads)], 0, hist, 257 + k
+    if layout == "paired":
+        frozen, hist = _fold_bytes(counts)
+        odd = values[at + 257:at + 385]
+        frozen += sum(odd[1::2])
+        return moved, [frozen], 0, [h + a + b for h, a, b in zip(hist, odd[0::2], odd[1::2])], 385
+    fewbit, hist = _fold_bytes(counts)   # bit 1: the few-bit flag
+    return moved, values[at + 257:at + 257 + k], fewbit, hist, 257 + k
+
+
+def count_freezes(pairs: Sequence[tuple], formats: Sequence[FloatFormat], edges: Sequence[int],
+                  rand_bits: Optional[int] = None) -> List[FreezeCounts]:
+    """The freeze statistics of the update ``new - old`` of every ``(pack, old, new)`` in
+    ``pairs`` (a :class:`lowprec_demo._packing.Pack` and two flat float32 tensors in its
+    layout), for every format: one :class:`FreezeCounts` per format, over all the packs, with
+    the histogram of ``log2(|d|/gap)`` in the bins of ``edges`` (consecutive integers:
+    :data:`lowprec_demo.prediction.RATIO_BINS`) and with ``rand_bits`` the few-bit count.
+
+    One kernel pass over each pack per format writes one code per element and returns the sum
+    of the move probabilities; the counts come from one bincount per pack, laid out as
+    :func:`_layout_for` says, and everything reaches Python in one transfer."""
+    edges = tuple(edges)   # (a key of the parameter cache)
+    layouts = [_layout_for(pack, rand_bits) for pack, _, _ in pairs]
+    parts = [part for fmt in formats for layout, (pack, old, new) in zip(layouts, pairs)
+             for part in _count_parts(layout, pack, old, new, fmt, edges, rand_bits)]
+    values = torch.cat(parts).tolist() if parts else []          # one transfer
+    out, at = [], 0
+    for _ in formats:
+        moved, frozen, fewbit, hist = 0.0, [], 0, [0] * 64
+        for layout, (pack, _, _) in zip(layouts, pairs):
+            m, f, few, h, used = _fold_counts(layout, pack, values, at)
+            moved += m
+            fewbit += few
+            frozen += [int(x) for x in f]
+            hist = [a + b for a, b in zip(hist, h)]
+            at += used
+        out.append(FreezeCounts(moved, frozen, int(fewbit), [int(c) for c in hist[:len(edges) + 1]]))
+    return out
 
 
 def compile_all(device="cpu") -> dict:
@@ -794,12 +858,13 @@ def compile_all(device="cpu") -> dict:
         nearest_(x.clone(), fmt, "inf")
         stochastic(x, fmt, "inf", None, 1)
         stochastic_(x.clone(), fmt, "inf", None, 1)
-        freeze_code(x, x + 1e-3, fmt, None)
-        freeze_code(x, x + 1e-3, fmt, None, torch.zeros(4096, dtype=torch.int32, device=device))
-        freeze_code_paired(x, x + 1e-3, fmt, torch.empty(4096, dtype=torch.uint8, device=device))
-        freeze_code_paired(x, x + 1e-3, fmt, torch.empty(4096, dtype=torch.uint8, device=device), "bytes")
-        freeze_code_paired(x, x + 1e-3, FloatFormat(3, 0), torch.empty(4096, dtype=torch.uint8, device=device))
-        freeze_code_paired(x, x + 1e-3, FloatFormat(8, 7), torch.empty(4096, dtype=torch.uint8, device=device))
+        edges = range(-8, 8)   # (any edges: they are values of the parameter tensor, not of the code)
+        codes = torch.empty(4096, dtype=torch.uint8, device=device)
+        freeze_code(x, x + 1e-3, fmt, edges, codes)
+        freeze_code(x, x + 1e-3, fmt, edges, torch.empty(4096, dtype=torch.int32, device=device), "tagged",
+                    tags=torch.zeros(4096, dtype=torch.int32, device=device))
+        for f in (fmt, FloatFormat(3, 0), FloatFormat(8, 7)):   # the three settings of gap_options
+            freeze_code(x, x + 1e-3, f, edges, codes, "paired")
         equal_count(x, x + 1e-3)
         changed_blocks(x, x + 1e-3)
         frozen_blocks(torch.zeros(4096, dtype=torch.uint8, device=device))

@@ -43,6 +43,7 @@ from typing import Callable, Iterable, Optional, Union
 import torch
 
 from . import _fused
+from ._packing import packs
 from .formats import FloatFormat, check_overflow_policy, get_format
 from .rounding import ROUNDING_MODES, GeneratorLike, quantize, quantize_
 
@@ -219,23 +220,20 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         place by the fused kernels, the small ones packed into one flat tensor (one call, and
         for SR one seed, per pack); anything else tensor by tensor."""
         policy = self.overflow if fmt is self.fmt else fmt.overflow
-        for members, flat, views in self._pack_plan(tensors):
-            if flat is None:
-                if len(members) == 1 and members[0].dtype == torch.float32 and members[0].is_contiguous():
-                    self._store_flat(members[0], fmt, rounding, policy)
-                else:
-                    for t in members:
-                        t.copy_(self._round(t, fmt, rounding))
+        for members, pack in self._pack_plan(tensors):
+            if pack is None:
+                for t in members:
+                    t.copy_(self._round(t, fmt, rounding))
                 continue
-            _fused.copy_into(views, members)
+            flat = pack.flat(members)     # several: copied into the pack's buffer, one: the tensor itself
             self._store_flat(flat, fmt, rounding, policy)
-            _fused.copy_into(members, views)
+            pack.put_back(members)
 
     def _pack_plan(self, tensors: list) -> list:
-        """``(members, flat, views)`` per pack of :func:`lowprec_demo._fused.pack`: ``flat`` a
-        buffer for a pack of several small float32 tensors (None for one tensor, or tensors
-        the fused path does not take), ``views`` its pieces shaped like the members. Kept from
-        step to step (the cache holds the tensors, so their ids stay theirs)."""
+        """``(members, pack)`` for the tensors: first those the fused path does not take, one by
+        one with no pack, then the contiguous float32 ones in the packs of
+        :func:`lowprec_demo._packing.packs` (one tensor, or a buffer for several small ones).
+        Kept from step to step (the cache holds the tensors, so their ids stay theirs)."""
         key = tuple(id(t) for t in tensors)
         cache = self.__dict__.setdefault("_pack_cache", {})
         plan = cache.get(key)
@@ -244,15 +242,8 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         fast = [t for t in tensors
                 if t.dtype == torch.float32 and t.is_contiguous() and t.numel() <= _fused.MAX_NUMEL]
         chosen = {id(t) for t in fast}
-        plan = [([t], None, None) for t in tensors if id(t) not in chosen]
-        for group in _fused.pack(fast):
-            members = [fast[i] for i in group]
-            if len(members) == 1:
-                plan.append((members, None, None))
-                continue
-            sizes = [t.numel() for t in members]
-            flat = torch.empty(sum(sizes), dtype=torch.float32, device=members[0].device)
-            plan.append((members, flat, [v.view(t.shape) for v, t in zip(flat.split(sizes), members)]))
+        plan = [([t], None) for t in tensors if id(t) not in chosen]
+        plan += [([fast[i] for i in pack.indices], pack) for pack in packs(fast)]
         if len(cache) >= 4:
             cache.clear()
         cache[key] = plan
@@ -273,10 +264,10 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         """The memory this wrapper keeps from step to step beyond the parameters and the inner
         optimizer's state: the buffers of its packs of small tensors, and the Kahan
         compensation buffers."""
-        packs = sum(flat.numel() * flat.element_size() for plan in self.__dict__.get("_pack_cache", {}).values()
-                    for _, flat, _ in plan if flat is not None)
+        held = sum(pack.held_bytes() for plan in self.__dict__.get("_pack_cache", {}).values()
+                   for _, pack in plan if pack is not None)
         buffers = list(self._compensation_buffers.values()) + list(self._masters.values())
-        return packs + sum(b.numel() * b.element_size() for b in buffers)
+        return held + sum(b.numel() * b.element_size() for b in buffers)
 
     @torch.optim.Optimizer.profile_hook_step   # runs the step hooks (register_step_pre_hook ...)
     @torch.no_grad()

@@ -50,6 +50,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Union
 import torch
 
 from . import _fused
+from ._packing import Pack, copy_into, packs
 from .formats import FloatFormat, get_format
 from .rounding import quantize, update_ulp_ratio, would_freeze
 
@@ -204,92 +205,18 @@ def mask_mismatch(predicted: Mapping[str, torch.Tensor], observed: Mapping[str, 
     return differ, p * (1 - q) + q * (1 - p)
 
 
-class _Pack:
-    """Tracked tensors that share one flat snapshot buffer: a large tensor alone, or a run of
-    small ones (see :func:`lowprec_demo._fused.pack`), so that a step costs a few operations
-    per pack rather than per tensor.
-
-    In a pack of several tensors each tensor starts at a multiple of
-    :data:`lowprec_demo._fused.BLOCK` elements and zeros fill the gaps (the same zeros in every
-    buffer of the pack): the kernels count per block, and a tensor's count is the sum of its
-    blocks' (one weighted bincount over the blocks, not an operation over the elements)."""
-
-    def __init__(self, names: List[str], tensors: List[torch.Tensor]) -> None:
-        self.names = names
-        self.shapes = [t.shape for t in tensors]
-        self.sizes = [t.numel() for t in tensors]
-        self.several = len(names) > 1
-        device = tensors[0].device
-        block = _fused.BLOCK
-        self.spans = [-(-n // block) * block for n in self.sizes] if self.several else list(self.sizes)
-        self.pads = [s - n for s, n in zip(self.spans, self.sizes)]
-        self.buffer = torch.zeros(sum(self.spans), dtype=tensors[0].dtype, device=device)
-        self.views = self._views_of(self.buffer)
-        self._now: Optional[torch.Tensor] = None
-        self._codes: Optional[torch.Tensor] = None
-        self._tags: Optional[torch.Tensor] = None
-        if self.several:
-            # the tensor of each block, for per-tensor sums of per-block counts
-            self._block_tensor = torch.repeat_interleave(
-                torch.arange(len(names), device=device), torch.tensor(self.spans, device=device) // block)
-        # one tensor of an even number of elements: the codes can be counted two per bincount
-        # entry (several tensors: one per entry, in 256 bins, see _after_step_packed)
-        self.paired = not self.several and self.buffer.numel() % 2 == 0 and _fused.PAIRED_BINCOUNT
-
-    def _views_of(self, buffer: torch.Tensor) -> List[torch.Tensor]:
-        """The pieces of a buffer in this pack's layout, shaped like the tensors."""
-        return [v[:n].view(shape) for v, n, shape in zip(buffer.split(self.spans), self.sizes, self.shapes)]
-
-    def held_bytes(self) -> int:
-        """The memory this pack keeps from step to step."""
-        return sum(t.numel() * t.element_size() for t in (self.buffer, self._now, self._codes, self._tags)
-                   if t is not None)
-
-    def tags(self) -> Optional[torch.Tensor]:
-        """For several tensors (else None): the tensor of each element, shifted into the high
-        byte, for one bincount of every code; the gaps get the index one past the last tensor
-        (a row of counts left out). Made when first asked for (few-bit prediction only)."""
-        if self.several and self._tags is None:
-            self._tags = torch.full((self.buffer.numel(),), len(self.names) << 8, dtype=torch.int32,
-                                    device=self.buffer.device)
-            for i, tag in enumerate(self._tags.split(self.spans)):
-                tag[:self.sizes[i]] = i << 8
-        return self._tags
-
-    def codes(self) -> torch.Tensor:
-        """A uint8 buffer of one code per element, kept for the next steps (allocated when first
-        asked for: a fresh allocation of this size costs more than filling it)."""
-        if self._codes is None:
-            self._codes = torch.empty(self.buffer.numel(), dtype=torch.uint8, device=self.buffer.device)
-        return self._codes
-
-    def per_tensor(self, blocks: torch.Tensor) -> torch.Tensor:
-        """Per-tensor sums of per-block counts (a pack of several tensors), as float64 (exact:
-        a pack holds fewer than 2**53 elements), in one operation."""
-        return torch.bincount(self._block_tensor, weights=blocks, minlength=len(self.names))
-
-    def snapshot(self, tensors: List[torch.Tensor]) -> None:
-        _fused.copy_into(self.views, tensors)
-
-    def flat(self, tensors: List[torch.Tensor]) -> torch.Tensor:
-        """The tensors' current values, flat, in the buffer's layout (for several tensors a
-        buffer kept from step to step, with the same zeros in the gaps)."""
-        if not self.several:
-            return tensors[0].reshape(-1)
-        if self._now is None:
-            self._now = torch.zeros_like(self.buffer)
-            self._now_views = self._views_of(self._now)
-        _fused.copy_into(self._now_views, tensors)
-        return self._now
-
-
 class StepTracker:
     """What :class:`FreezeObserver` and :class:`FreezePredictor` share: a snapshot of the tracked
     tensors taken by :meth:`before_step`, just before ``optimizer.step()``, compared with their
     new values by :meth:`after_step`, just after it, which adds one point per step to the
     records. The snapshot lives in buffers kept from step to step (one copy of the tracked
-    tensors); the tracked tensors may change between steps (optimizer state appears after the
-    first one).
+    tensors), one per pack of :func:`lowprec_demo._packing.packs`: a large tensor alone, or a
+    run of small ones, so that a step costs a few operations per pack rather than per tensor.
+    In a pack of several tensors each tensor starts at a multiple of
+    :data:`lowprec_demo._fused.BLOCK` elements and zeros fill the gaps (the same zeros in every
+    buffer of the pack): the kernels count per block, and a tensor's count is the sum of its
+    blocks' (one weighted bincount over the blocks, not an operation over the elements). The
+    tracked tensors may change between steps (optimizer state appears after the first one).
 
     Args:
         tensors: what to track: a module, a mapping name -> tensor, or a callable returning one.
@@ -315,7 +242,10 @@ class StepTracker:
         self._source = tensors
         self._before: Dict[str, torch.Tensor] = {}
         self._layout: Optional[tuple] = None
-        self._packs: List[_Pack] = []
+        self._packs: List[Pack] = []
+        self._names: List[List[str]] = []          # per pack, the names of its tensors
+        self._snapshots: List[torch.Tensor] = []    # per pack, the values before the step
+        self._snapshot_views: List[List[torch.Tensor]] = []
         self._views: Dict[str, torch.Tensor] = {}
 
     def _current(self) -> Dict[str, torch.Tensor]:
@@ -326,6 +256,7 @@ class StepTracker:
         included), the kept masks, and a predictor's first-step ratios."""
         tensors = [m for masks in self.masks.values() for m in masks.values()]
         tensors += list(getattr(self, "_first_ratios", {}).values())
+        tensors += self._snapshots
         return sum(pack.held_bytes() for pack in self._packs) + sum(t.numel() * t.element_size() for t in tensors)
 
     @staticmethod
@@ -349,16 +280,17 @@ class StepTracker:
         current = self._current()
         layout = self._layout_of(current)
         if layout != self._layout:
-            names, tensors = list(current), [v.detach() for v in current.values()]
-            self._packs = [_Pack([names[i] for i in group], [tensors[i] for i in group])
-                           for group in _fused.pack(tensors)]
+            names = list(current)
+            self._packs = packs([v.detach() for v in current.values()], block=_fused.BLOCK)
+            self._names = [[names[i] for i in pack.indices] for pack in self._packs]
+            self._snapshots = [pack.zeros() for pack in self._packs]
+            self._snapshot_views = [pack.views(buffer) for pack, buffer in zip(self._packs, self._snapshots)]
             self._layout = layout
-            self._views = {name: view for pack in self._packs for name, view in zip(pack.names, pack.views)}
+            self._views = {name: view for names, views in zip(self._names, self._snapshot_views)
+                           for name, view in zip(names, views)}
         values = list(current.values())
-        start = 0
-        for pack in self._packs:
-            pack.snapshot(values[start:start + len(pack.names)])
-            start += len(pack.names)
+        for pack, views in zip(self._packs, self._snapshot_views):
+            copy_into(views, [values[i] for i in pack.indices])
         self._before = self._views
 
     def after_step(self) -> None:
@@ -373,19 +305,17 @@ class StepTracker:
                 yield name, old, now[name].detach()
 
     def _packed_now(self):
-        """The packs with the tensors' current values, when they still have the layout of the
-        snapshot (else None: the tensor by tensor path handles appearing and vanishing tensors)."""
+        """``(pack, names, snapshot, current values)`` per pack, when the tensors still have the
+        layout of the snapshot (else None: the tensor by tensor path handles appearing and
+        vanishing tensors)."""
         if not self._before:
             return None
         now = self._current()
         if self._layout_of(now) != self._layout:
             return None
         values = list(now.values())
-        out, start = [], 0
-        for pack in self._packs:
-            out.append((pack, values[start:start + len(pack.names)]))
-            start += len(pack.names)
-        return out
+        return [(pack, names, snapshot, [values[i] for i in pack.indices])
+                for pack, names, snapshot in zip(self._packs, self._names, self._snapshots)]
 
 
 class FreezeObserver(StepTracker):
@@ -421,14 +351,14 @@ class FreezeObserver(StepTracker):
         if packed is None:
             pairs = [(name, int((new == old).sum().item()), new.numel()) for name, old, new in self._pairs()]
         else:  # one comparison per pack, one transfer of all the counts
-            counts = torch.cat([pack.per_tensor(_fused.changed_blocks(pack.buffer, pack.flat(now))) if pack.several
-                                else _fused.equal_count(pack.buffer, pack.flat(now)).reshape(1)
-                                for pack, now in packed]).tolist()
+            counts = torch.cat([pack.per_tensor(_fused.changed_blocks(old, pack.flat(now))) if pack.several
+                                else _fused.equal_count(old, pack.flat(now)).reshape(1)
+                                for pack, _, old, now in packed]).tolist()
             pairs, start = [], 0
-            for pack, _ in packed:   # several tensors: changed elements counted, one: equal ones
-                for name, n, count in zip(pack.names, pack.sizes, counts[start:start + len(pack.names)]):
+            for pack, names, _, _ in packed:   # several tensors: changed elements counted, one: equal ones
+                for name, n, count in zip(names, pack.sizes, counts[start:start + len(names)]):
                     pairs.append((name, n - int(count) if pack.several else int(count), n))
-                start += len(pack.names)
+                start += len(names)
         total_frozen, total = 0, 0
         for name, frozen, n in pairs:
             self._append(name, frozen / n if n else math.nan, n)
@@ -491,8 +421,7 @@ class FreezePredictor(StepTracker):
         ``optimizer.step()``)."""
         packed = self._packed_now()
         fused = packed is not None and all(
-            pack.buffer.dtype == torch.float32 for pack, _ in packed) and all(
-            _fused.fits(pack.buffer, fmt) for pack, _ in packed for fmt in self.formats)
+            _fused.fits(old, fmt) for _, _, old, _ in packed for fmt in self.formats)
         if fused:
             self._after_step_packed(packed)
         else:
@@ -555,58 +484,16 @@ class FreezePredictor(StepTracker):
         rec.ratio_histogram = [a + b for a, b in zip(rec.ratio_histogram, hist)]
 
     def _after_step_packed(self, packed) -> None:
-        """All formats from the fused kernels: one pass over each pack per format, which writes
-        one code per element (frozen and ratio bin, with a few-bit prediction also the few-bit
-        flag and the tensor) and returns the sum of the move probabilities; the counts come
-        from one bincount per pack, and everything reaches Python in one transfer. Without
-        few-bit prediction the codes are laid out so that consecutive bincount entries
-        alternate between counters (:func:`lowprec_demo._fused.freeze_code_paired`): for one
-        tensor two codes per entry, for several one per entry (256 bins), the frozen elements
-        per tensor then counted per block (:func:`lowprec_demo._fused.frozen_blocks`)."""
-        current = [(pack, pack.flat(now)) for pack, now in packed]
-        paired = self.rand_bits is None
-        parts = []
-        for fmt in self.formats:
-            for pack, new in current:
-                if paired and pack.several:   # one byte per bincount entry, frozen per block
-                    codes = pack.codes()
-                    parts.append(_fused.freeze_code_paired(pack.buffer, new, fmt, codes, "bytes").reshape(1))
-                    parts += [torch.bincount(codes, minlength=256), pack.per_tensor(_fused.frozen_blocks(codes))]
-                elif paired and pack.paired:   # two codes per bincount entry
-                    codes = pack.codes()
-                    parts.append(_fused.freeze_code_paired(pack.buffer, new, fmt, codes).reshape(1))
-                    parts.extend(_fused.paired_sums(codes))
-                else:
-                    # one bincount: frozen, few-bit and bin jointly, per tensor of the pack (the
-                    # gaps between tensors have a tag of their own, a row left out)
-                    code, moved = _fused.freeze_code(pack.buffer, new, fmt, self.rand_bits, pack.tags())
-                    n_rows = len(pack.names) + pack.several
-                    joint = torch.bincount(code, minlength=256 * n_rows).view(-1, 256)[:len(pack.names)]
-                    parts += [moved.reshape(1), joint.sum(0), joint.view(-1, 128, 2)[:, :, 1].sum(1)]
-        values = torch.cat(parts).tolist()           # one transfer
-        bins, at = len(RATIO_BINS) + 1, 0
-        for fmt in self.formats:
-            per_tensor, hist, moved, fewbit = [], [0] * 64, 0.0, 0
-            for pack, _ in current:
-                k = len(pack.names)
-                moved += values[at]
-                if paired and pack.several:   # the zeros in the gaps: a zero update, frozen, bin 0
-                    _, counts = _fused.fold_bytes(values[at + 1:at + 257])
-                    counts[0] -= sum(pack.pads)
-                    frozen = [f - pad for f, pad in zip(values[at + 257:at + 257 + k], pack.pads)]
-                    at += 257 + k
-                elif paired and pack.paired:
-                    frozen, counts = _fused.fold_paired(values[at + 1:at + 257], values[at + 257:at + 385])
-                    frozen = [frozen]
-                    at += 385
-                else:
-                    few, counts = _fused.fold_bytes(values[at + 1:at + 257])   # bit 1: the few-bit flag
-                    fewbit += few
-                    frozen = values[at + 257:at + 257 + k]
-                    at += 257 + k
-                per_tensor += [(name, int(f), n) for name, f, n in zip(pack.names, frozen, pack.sizes)]
-                hist = [a + b for a, b in zip(hist, counts)]
-            self._add(self.records[fmt.name], per_tensor, moved, fewbit, [int(c) for c in hist[:bins]])
+        """All formats from the fused kernels (:func:`lowprec_demo._fused.count_freezes`): one
+        pass over each pack per format, the counts from one bincount per pack, everything in
+        Python after one transfer."""
+        pairs = [(pack, old, pack.flat(now)) for pack, _, old, now in packed]
+        counted = _fused.count_freezes(pairs, self.formats, RATIO_BINS, self.rand_bits)
+        names = [name for _, pack_names, _, _ in packed for name in pack_names]
+        sizes = [n for pack, _, _, _ in packed for n in pack.sizes]
+        for fmt, counts in zip(self.formats, counted):
+            self._add(self.records[fmt.name], list(zip(names, counts.frozen, sizes)), counts.moved, counts.fewbit,
+                      counts.ratio_hist)
 
     def _after_step_by_tensor(self) -> None:
         """Tensor by tensor with the public freeze functions (float64 or narrow tensors,

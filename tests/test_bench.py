@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import test_rounding as TR  # the exhaustive point sets and helpers
 
-from lowprec_demo import _fused, bench
+from lowprec_demo import _fused, _packing, bench
 from lowprec_demo.formats import get_format
 from lowprec_demo.optimizer import LowPrecisionOptimizer
 from lowprec_demo.prediction import RATIO_BINS, FreezeObserver, FreezePredictor
@@ -42,15 +42,22 @@ def _one_thread():
 
 @pytest.fixture(scope="module")
 def compiled():
-    """The compiled kernels on the CPU, ``{name: function}``; skipped where torch.compile cannot
-    build them (no C++ compiler): the eager path is then all there is, and test_rounding.py
-    checks it."""
+    """The compiled kernels on the CPU, ``{name: function}``, called without grad as the package
+    calls them (one grad mode: no version compiled for the other); skipped where torch.compile
+    cannot build them (no C++ compiler): the eager path is then all there is, and
+    test_rounding.py checks it."""
     _fused.compile_all("cpu")
     kernels = _fused._KERNELS
     failed = {k: v.failed["cpu"] for k, v in kernels.items() if "cpu" in v.failed}
     if failed:
         pytest.skip(f"torch.compile is not available here: {failed}")
-    return {name: k.compiled_call("cpu") for name, k in kernels.items()}
+
+    def without_grad(fn):
+        def call(*args, **options):
+            with torch.no_grad():
+                return fn(*args, **options)
+        return call
+    return {name: without_grad(k.compiled_call("cpu")) for name, k in kernels.items()}
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -185,11 +192,13 @@ def test_eager_slices_give_the_same_bits(monkeypatch):
     fmt = get_format("e4m3")
     p = torch.tensor(_fused.stochastic_params(fmt, "saturate", None, 77), dtype=torch.int32)
     whole = _fused.sr_fp32(x, p)
-    fp = torch.tensor(_fused.freeze_params(fmt, 2), dtype=torch.int32)
-    code, moved = _fused.freeze_code_fp32(x, new, fp)
+    fp = torch.tensor(_fused.freeze_params(fmt, 2, RATIO_BINS), dtype=torch.int32)
+    code = torch.empty(len(x), dtype=torch.uint8)
+    moved = _fused.freeze_code_fp32(x, new, fp, code)
     n = len(x) // 2 * 2
     paired = torch.empty(n, dtype=torch.uint8)
-    paired_moved = _fused.freeze_code_paired_fp32(x[:n], new[:n], fp, paired, _fused.pair_pattern(n, x.device))
+    paired_moved = _fused.freeze_code_fp32(x[:n], new[:n], fp, paired, _fused.pair_pattern(n, x.device), fewbit=False,
+                                           **_fused.gap_options(fmt))
     monkeypatch.setattr(_fused, "EAGER_CHUNK", 999)
     previous = _fused.set_mode("off")
     try:
@@ -197,10 +206,11 @@ def test_eager_slices_give_the_same_bits(monkeypatch):
         y = x.clone()
         _fused.stochastic_(y, fmt, "saturate", None, 77)
         assert same_bits(y, whole)
-        code2, moved2 = _fused.freeze_code(x, new, fmt, 2)
+        code2 = torch.empty_like(code)
+        moved2 = _fused.freeze_code(x, new, fmt, RATIO_BINS, code2, rand_bits=2)
         assert torch.equal(code2, code)
         paired2 = torch.empty_like(paired)
-        paired_moved2 = _fused.freeze_code_paired(x[:n], new[:n], fmt, paired2)
+        paired_moved2 = _fused.freeze_code(x[:n], new[:n], fmt, RATIO_BINS, paired2, "paired")
         assert torch.equal(paired2, paired)
         assert torch.allclose(paired_moved2, paired_moved, rtol=1e-12, atol=0, equal_nan=True)
         assert (moved.isnan() and moved2.isnan()) or math.isclose(moved.item(), moved2.item(), rel_tol=1e-12)
@@ -238,9 +248,21 @@ def exact_bins(ratio: torch.Tensor) -> torch.Tensor:
     return torch.where(r.isnan(), 63.0, bins).to(torch.int64)
 
 
-def paired_kernel(fmt):
-    """The paired freeze kernel for the format (its name, and its function to run eagerly)."""
-    return _fused.paired_kernel(fmt)
+def paired_options(fmt):
+    """The options of the freeze kernel for the format without the few-bit flag."""
+    return {"fewbit": False, **_fused.gap_options(fmt)}
+
+
+def split_pack(old, new, cut):
+    """A pack of two tensors, ``old[:cut]`` and ``old[cut:]``, and the two flat buffers of
+    ``old`` and ``new`` in its layout (each tensor starting at a block's start)."""
+    pack = _packing.Pack([0, 1], [old[:cut], old[cut:]], block=_fused.BLOCK)
+    buffers = []
+    for t in (old, new):
+        buffer = pack.zeros()
+        _packing.copy_into(pack.views(buffer), [t[:cut], t[cut:]])
+        buffers.append(buffer)
+    return pack, buffers[0], buffers[1]
 
 
 def freeze_cases(key):
@@ -269,18 +291,19 @@ def test_freeze_code_is_the_freeze_rule(compiled, key):
     frozen = would_freeze(stored, update, fmt)
     ratio = update_ulp_ratio(stored, update, fmt)
     for k in (None, 1, 3, 8):
-        p = torch.tensor(_fused.freeze_params(fmt, k), dtype=torch.int32)
-        eager_code, eager_moved = _fused.freeze_code_fp32(old, new, p)
-        code, moved = compiled["freeze"](old, new, p)
+        p = torch.tensor(_fused.freeze_params(fmt, k, RATIO_BINS), dtype=torch.int32)
+        code, eager_code = (torch.empty(len(old), dtype=torch.uint8) for _ in range(2))
+        eager_moved = _fused.freeze_code_fp32(old, new, p, eager_code)
+        moved = compiled["freeze"](old, new, p, code)
         assert torch.equal(code, eager_code)
         tag = (torch.arange(len(old), dtype=torch.int32) % 3) << 8
-        tagged, _ = compiled["freeze_tagged"](old, new, tag, p)
+        tagged = torch.empty(len(old), dtype=torch.int32)
+        compiled["freeze"](old, new, p, tagged, tag)
         assert torch.equal(tagged, code.to(torch.int32) | tag)
         paired, eager_paired = torch.empty_like(code), torch.empty_like(code)
-        name, fn = paired_kernel(fmt)
         pattern = _fused.pair_pattern(len(old), old.device)
-        paired_moved = compiled[name](old, new, p, paired, pattern)
-        eager_paired_moved = fn(old, new, p, eager_paired, pattern)
+        paired_moved = compiled["freeze"](old, new, p, paired, pattern, **paired_options(fmt))
+        eager_paired_moved = _fused.freeze_code_fp32(old, new, p, eager_paired, pattern, **paired_options(fmt))
         assert torch.equal(paired, eager_paired)
         for got, want in ((paired_moved, moved), (eager_paired_moved, eager_moved)):
             assert torch.allclose(got, want, rtol=0, atol=0, equal_nan=True)
@@ -288,16 +311,32 @@ def test_freeze_code_is_the_freeze_rule(compiled, key):
         frozen, bins = code & 1, code >> 2
         assert torch.equal(paired[0::2], ((frozen[0::2] << 1) | ((i[0::2] >> 1) & 1) | (bins[0::2].long() << 2)).to(torch.uint8))
         assert torch.equal(paired[1::2], frozen[1::2] | (bins[1::2] << 1))
+        hist_of = lambda b: torch.bincount(b, minlength=64)[:len(RATIO_BINS) + 1].tolist()   # (NaN: 63, left out)
         n = len(code) // 2 * 2
-        counted_frozen, hist = _fused.paired_counts(paired[:n])
-        assert counted_frozen == frozen[:n].sum().item()
-        assert hist == torch.bincount(bins[:n], minlength=64).tolist()
+        one = _packing.Pack([0], [old[:n]])   # one tensor, an even number of elements: two codes per entry
+        counts, = _fused.count_freezes([(one, old[:n], new[:n])], [fmt], RATIO_BINS)
+        assert counts.frozen == [frozen[:n].sum().item()] and counts.fewbit == 0
+        assert counts.ratio_hist == hist_of(bins[:n])
         # the "bytes" layout of packs of several tensors: c << 1 | (i & 1), one bincount entry each
         in_bytes = torch.empty_like(code)
-        compiled[name](old, new, p, in_bytes, _fused.pair_pattern(len(old), old.device, "bytes"))
+        compiled["freeze"](old, new, p, in_bytes, _fused.pair_pattern(len(old), old.device, "bytes"), **paired_options(fmt))
         assert torch.equal(in_bytes, ((frozen << 1) | (i & 1) | (bins.long() << 2)).to(torch.uint8))
-        counted_frozen, hist = _fused.fold_bytes(torch.bincount(in_bytes, minlength=256).tolist())
-        assert counted_frozen == frozen.sum().item() and hist == torch.bincount(bins, minlength=64).tolist()
+        cut = len(old) // 3
+        two, old2, new2 = split_pack(old, new, cut)   # the zeros in the gaps are counted out
+        counts, = _fused.count_freezes([(two, old2, new2)], [fmt], RATIO_BINS)
+        assert counts.frozen == [frozen[:cut].sum().item(), frozen[cut:].sum().item()]
+        assert counts.ratio_hist == hist_of(bins)
+        # the codes with the few-bit flag (with few-bit prediction, or one tensor of an odd number
+        # of elements): one tensor, or several tagged by tensor
+        odd = len(old) - 1 + len(old) % 2
+        flagged = (code >> 1) & 1
+        cases = [(_packing.Pack([0], [old[:odd]]), old[:odd], new[:odd], [frozen[:odd].sum().item()], odd)]
+        if k is not None:
+            cases.append((two, old2, new2, [frozen[:cut].sum().item(), frozen[cut:].sum().item()], len(old)))
+        for pack, a, b, want, m in cases:
+            counts, = _fused.count_freezes([(pack, a, b)], [fmt], RATIO_BINS, rand_bits=k)
+            assert counts.frozen == want and counts.ratio_hist == hist_of(bins[:m])
+            assert counts.fewbit == flagged[:m].sum().item()
         n = len(code) // _fused.BLOCK * _fused.BLOCK   # the frozen elements per block, as the packs count them
         blocks = frozen[:n].view(-1, _fused.BLOCK).sum(1).float()
         assert torch.equal(compiled["frozen_blocks"](in_bytes[:n]), blocks)
@@ -328,17 +367,47 @@ def test_freeze_code_under_every_overflow_policy(compiled, key):
         fmt = TR.FREEZE_FORMATS[key].with_overflow(policy)
         stored, update = quantize(old, fmt), new - old
         frozen, ratio = would_freeze(stored, update, fmt), update_ulp_ratio(stored, update, fmt)
-        p = torch.tensor(_fused.freeze_params(fmt, None), dtype=torch.int32)
-        code, moved = compiled["freeze"](old, new, p)
-        eager_code, _ = _fused.freeze_code_fp32(old, new, p)
+        p = torch.tensor(_fused.freeze_params(fmt, None, RATIO_BINS), dtype=torch.int32)
+        code, eager_code = (torch.empty(len(old), dtype=torch.uint8) for _ in range(2))
+        moved = compiled["freeze"](old, new, p, code)
+        _fused.freeze_code_fp32(old, new, p, eager_code)
         paired = torch.empty_like(code)
-        compiled[paired_kernel(fmt)[0]](old, new, p, paired, _fused.pair_pattern(len(old), old.device))
+        compiled["freeze"](old, new, p, paired, _fused.pair_pattern(len(old), old.device), **paired_options(fmt))
         assert torch.equal(code, eager_code), policy
         assert torch.equal((code & 1).bool(), frozen), policy
         assert torch.equal((code >> 2).to(torch.int64), exact_bins(ratio)), policy
         assert torch.equal(paired[1::2] & 1, code[1::2] & 1) and torch.equal(paired[1::2] >> 1, code[1::2] >> 2)
         want = ratio.clamp(max=1.0).double().sum()
         assert (moved.isnan() and want.isnan()) or math.isclose(moved.item(), want.item(), rel_tol=1e-9)
+
+
+@pytest.mark.parametrize("mode", ["off", "on"])
+@pytest.mark.parametrize("edges", [RATIO_BINS, list(range(-10, 3)), list(range(-60, 2))])
+def test_the_ratio_bins_are_those_of_their_edges(edges, mode):
+    """The histogram of count_freezes is bucketize(log2 ratio, edges) for any consecutive
+    integer edges that fit the code (RATIO_BINS among them), in every layout; other edges are
+    refused."""
+    old, new = freeze_cases("e4m3")
+    n = len(old) // 2 * 2
+    old, new = old[:n], new[:n]
+    fmt = TR.FREEZE_FORMATS["e4m3"]
+    r = update_ulp_ratio(quantize(old, fmt), new - old, fmt).double()
+    mantissa, exponent = torch.frexp(r)          # the exact ceil(log2 r), as exact_bins computes it
+    ceil_log2 = torch.where(mantissa == 0.5, exponent - 1, exponent).double()
+    bins = torch.where(r > 0, (ceil_log2 - edges[0]).clamp(0, len(edges)), torch.zeros_like(r))
+    bins = torch.where(torch.isinf(r), float(len(edges)), bins)[~r.isnan()].to(torch.int64)
+    want = torch.bincount(bins, minlength=len(edges) + 1).tolist()
+    one, several = (_packing.Pack([0], [old]), old, new), split_pack(old, new, 100)
+    previous = _fused.set_mode(mode)
+    try:
+        for pair, k in ((one, None), (one, 3), (several, None), (several, 3)):   # paired, codes, bytes, tagged
+            counts, = _fused.count_freezes([pair], [fmt], edges, k)
+            assert counts.ratio_hist == want, (edges[0], k)
+    finally:
+        _fused.set_mode(previous)
+    for bad in ([0, 2, 3], [], list(range(-70, 1)), [125, 126, 127]):
+        with pytest.raises(ValueError):
+            _fused.ratio_bin_params(bad)
 
 
 def test_equal_count_is_torch_eq(compiled):
@@ -559,7 +628,7 @@ def test_modes():
     _fused.set_mode(previous)
     with pytest.raises(ValueError, match="auto, on, off"):
         _fused.set_mode("always")
-    assert _fused.pack([torch.zeros(3), torch.zeros(1 << 16), torch.zeros(2), torch.zeros(2)]) == [[0], [1], [2, 3]]
+    assert _packing.group([torch.zeros(3), torch.zeros(1 << 16), torch.zeros(2), torch.zeros(2)]) == [[0], [1], [2, 3]]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -690,17 +759,19 @@ def test_cuda_compiled_kernels_match_the_cpu(key):
                 cpu = _fused.sr_fp32(x, torch.tensor(_fused.stochastic_params(fmt, policy, k, 99), dtype=torch.int32))
                 assert same_bits(_fused.stochastic(x.cuda(), fmt, policy, k, 99).cpu(), cpu)
         old, new = x[:20_000].nan_to_num(0.0, 0.0, 0.0), x[:20_000] * (1 + 2.0**-9)
-        code, moved = _fused.freeze_code(old.cuda(), new.cuda().nan_to_num(0.0, 0.0, 0.0), fmt, 3)
-        p = torch.tensor(_fused.freeze_params(fmt, 3), dtype=torch.int32)
-        want_code, want_moved = _fused.freeze_code_fp32(old, new.nan_to_num(0.0, 0.0, 0.0), p)
+        code = torch.empty(len(old), dtype=torch.uint8, device="cuda")
+        moved = _fused.freeze_code(old.cuda(), new.cuda().nan_to_num(0.0, 0.0, 0.0), fmt, RATIO_BINS, code, rand_bits=3)
+        p = torch.tensor(_fused.freeze_params(fmt, 3, RATIO_BINS), dtype=torch.int32)
+        want_code = torch.empty(len(old), dtype=torch.uint8)
+        want_moved = _fused.freeze_code_fp32(old, new.nan_to_num(0.0, 0.0, 0.0), p, want_code)
         assert torch.equal(code.cpu(), want_code)
         assert math.isclose(moved.item(), want_moved.item(), rel_tol=1e-9)
         paired = torch.empty(len(old), dtype=torch.uint8, device="cuda")
-        moved = _fused.freeze_code_paired(old.cuda(), new.cuda().nan_to_num(0.0, 0.0, 0.0), fmt, paired)
-        flat = _fused.paired_kernel(fmt)[1]
+        moved = _fused.freeze_code(old.cuda(), new.cuda().nan_to_num(0.0, 0.0, 0.0), fmt, RATIO_BINS, paired, "paired")
         want = torch.empty(len(old), dtype=torch.uint8)
-        p = torch.tensor(_fused.freeze_params(fmt, None), dtype=torch.int32)
-        want_moved = flat(old, new.nan_to_num(0.0, 0.0, 0.0), p, want, _fused.pair_pattern(len(old), "cpu"))
+        p = torch.tensor(_fused.freeze_params(fmt, None, RATIO_BINS), dtype=torch.int32)
+        want_moved = _fused.freeze_code_fp32(old, new.nan_to_num(0.0, 0.0, 0.0), p, want,
+                                             _fused.pair_pattern(len(old), "cpu"), **paired_options(fmt))
         assert torch.equal(paired.cpu(), want)
         assert math.isclose(moved.item(), want_moved.item(), rel_tol=1e-9)
     finally:
