@@ -32,7 +32,7 @@ Stochastic rounding (``sr_fp32``)
     whenever ``d <= k``. The hash is :func:`hash32` (:func:`lowprec_demo.rounding.random_bits`
     gives the same bits). (Tensors of 2**31 elements or more take the eager path of ``rounding``.)
 
-Freeze statistics (``freeze_code_fp32``, counted by :func:`count_freezes`)
+Freeze statistics (``freeze_code_fp32``, counted by :func:`lowprec_demo.prediction.count_freezes`)
     For a reference update ``new - old``: the freeze rule of
     :func:`lowprec_demo.rounding.would_freeze`, the SR move probability ``min(1, |d|/gap)``, the
     few-bit freeze, and the bin of ``log2(|d|/gap)`` (bins given by their edges, those of
@@ -59,9 +59,10 @@ When is the compiled version used?
     included, reaches :data:`EAGER_BUDGET` elements (a single call that large compiles at
     once). Compiling costs 6-13 s once per process on a CPU (the lower figure once inductor's
     disk cache is warm), and the eager functions, run in slices that stay in the cache, cost
-    about 40 ns an element more than the compiled ones, so compiling pays after about 2**27
-    elements: a chapter that rounds a few tensors never waits for it, a GPT-2 step compiles at
-    once. If compiling fails (no C++ compiler, an unsupported platform), the same functions
+    about 15 (round to nearest) to 25 (stochastic rounding) ns an element more than the
+    compiled ones here (the benchmark's cold-path table), so compiling pays after 2**28 to
+    2**30 elements; the budget leans toward compiling early: a chapter that rounds a few
+    tensors never waits for it, a GPT-2 step compiles at once. If compiling fails (no C++ compiler, an unsupported platform), the same functions
     run eagerly from then on and :func:`status` says why; it also counts the calls that ran
     each way.
 
@@ -79,7 +80,7 @@ import os
 import struct
 import sys
 import time
-from typing import Dict, List, NamedTuple, Optional, Sequence
+from typing import Dict, Optional, Sequence
 
 import torch
 
@@ -88,7 +89,7 @@ from .formats import FloatFormat
 __all__ = ["status", "set_mode", "get_mode", "compile_all", "nearest_params", "stochastic_params",
            "freeze_params", "ratio_bin_params", "seed_words", "hash32", "rne_fp32", "sr_fp32", "freeze_code_fp32",
            "gap_options", "one_factor_gaps", "pair_pattern", "equal_count_fp32", "nearest", "nearest_",
-           "stochastic", "stochastic_", "freeze_code", "FreezeCounts", "count_freezes", "equal_count",
+           "stochastic", "stochastic_", "freeze_code", "equal_count",
            "changed_blocks_fp32", "frozen_blocks_u8", "changed_blocks", "frozen_blocks", "fits", "MODES",
            "BLOCK"]
 
@@ -196,19 +197,35 @@ def hash32(index: torch.Tensor, s1, s2) -> torch.Tensor:
     return _mix32(_mix32(index ^ s1) ^ s2)
 
 
+# Conditions, in two forms. Run eagerly, torch's comparisons (which make bool tensors) and its
+# ``where`` cost about 3 and 18 times an integer ``^`` on a CPU, so there a condition is an int32
+# mask of bits (-1 or 0) and choosing is three integer operations; compiled, the comparison and
+# ``where`` are the faster. The kernels below are written once with these four helpers.
 def _above(a: torch.Tensor, b) -> torch.Tensor:
-    """-1 (every bit set) where ``a > b``, else 0, for int32 values in 0 .. 2**31 - 1 (their
-    difference cannot overflow). Rounding builds its choices from such masks and plain integer
-    operations: torch's eager comparisons, which make bool tensors, and its ``where`` cost
-    about 3 and 18 times an integer ``^`` on a CPU, and the masks compile to the same few
-    instructions."""
+    """The condition ``a > b``, for int32 values in 0 .. 2**31 - 1 (eagerly ``(b - a) >> 31``:
+    their difference cannot overflow)."""
+    if torch.compiler.is_compiling():
+        return a > b
     return (b - a) >> 31
 
 
-def _select(mask: torch.Tensor, a, b) -> torch.Tensor:
-    """``a`` where ``mask`` is -1, ``b`` where it is 0 (int32): ``torch.where`` with a mask of
-    bits."""
-    return b ^ ((a ^ b) & mask)
+def _condition(cond: torch.Tensor) -> torch.Tensor:
+    """A bool tensor as a condition (eagerly a mask of bits)."""
+    return cond if torch.compiler.is_compiling() else -cond.to(torch.int32)
+
+
+def _select(cond: torch.Tensor, a, b) -> torch.Tensor:
+    """``a`` where the condition holds, else ``b`` (int32)."""
+    if torch.compiler.is_compiling():
+        return torch.where(cond, a, b)
+    return b ^ ((a ^ b) & cond)
+
+
+def _keep(cond: torch.Tensor, a) -> torch.Tensor:
+    """``a`` where the condition holds, else 0 (int32)."""
+    if torch.compiler.is_compiling():
+        return torch.where(cond, a, 0)
+    return a & cond
 
 
 def _decompose(u: torch.Tensor, man_bits, emin_b):
@@ -222,7 +239,7 @@ def _decompose(u: torch.Tensor, man_bits, emin_b):
 
 def _repack(out: torch.Tensor, sign: torch.Tensor, nan: torch.Tensor, max_bits, over_bits) -> torch.Tensor:
     """Magnitude bits ``out`` back to float32: beyond the format's max the overflow value, NaN
-    where the mask ``nan`` is -1 (the input was NaN), the input's sign."""
+    where the condition ``nan`` holds (the input was NaN), the input's sign."""
     out = _select(_above(out, max_bits), over_bits, out)
     return (_select(nan, _NAN_BITS, out) | sign).view(torch.float32)
 
@@ -234,7 +251,7 @@ def rne_fp32(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     bits = x.view(torch.int32)
     u = bits & 0x7FFFFFFF
     nan = _above(u, _INF_BITS)
-    out = _rne_magnitude(u & ~nan, p[0], p[1], p[2], p[3])   # (a NaN's magnitude as 0)
+    out = _rne_magnitude(_keep(~nan, u), p[0], p[1], p[2], p[3])   # (a NaN's magnitude as 0)
     return (_select(nan, _NAN_BITS, out) | (bits & _INT32_MIN)).view(torch.float32)
 
 
@@ -258,13 +275,13 @@ def sr_fp32(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     index = torch.arange(x.numel(), dtype=torch.int32, device=x.device) + first
     r = hash32(index, s1, s2)
     # P * 2**(32 - j) modulo 2**32 (j = 0 only with P = 0); shift counts stay below 32 (Triton
-    # leaves larger ones undefined). move: -1 where the value moves away from zero, else 0
+    # leaves larger ones undefined). move: where the value moves away from zero
     threshold = position << torch.clamp(32 - j, max=31)
-    below = -((r ^ _INT32_MIN) < (threshold ^ _INT32_MIN)).to(torch.int32)   # unsigned r < threshold
+    below = _condition((r ^ _INT32_MIN) < (threshold ^ _INT32_MIN))   # unsigned r < threshold
     move = below | _above(position >> torch.clamp(j, max=31), 0)
-    q = (s - frac) + ((1 << torch.clamp(d, max=24)) & move)
+    q = (s - frac) + _keep(move, 1 << torch.clamp(d, max=24))
     # d >= 24: the value is below the smallest subnormal step: 0 or that step
-    out = _select(_above(d, 23), tiny_bits & move, top + q)
+    out = _select(_above(d, 23), _keep(move, tiny_bits), top + q)
     return _repack(out, bits & _INT32_MIN, _above(u, _INF_BITS), max_bits, over_bits)
 
 
@@ -359,7 +376,7 @@ def _rne_magnitude(u: torch.Tensor, man_bits, emin_b, max_bits, over_bits) -> to
     half = (1 << d) >> 1
     odd = (s >> d) & torch.clamp(half, max=1)   # the last kept bit, for ties (none when d = 0)
     q = ((s + (half - 1 + odd).clamp(min=0)) >> d) << d
-    out = (top + q) & _above(q, 0)          # q = 0: the magnitude is 0
+    out = _keep(_above(q, 0), top + q)      # q = 0: the magnitude is 0
     return _select(_above(out, max_bits), over_bits, out)
 
 
@@ -731,120 +748,6 @@ def freeze_code(old: torch.Tensor, new: torch.Tensor, fmt: FloatFormat, edges: S
     p = _cached_params("freeze", fmt, None, rand_bits, old.device, edges)
     return _KERNELS["freeze"](old, new, p, out, tags if layout == "tagged" else None,
                               fewbit=True, infinite_gap=True, one_factor=False)
-
-
-PAIRED_BINCOUNT = sys.byteorder == "little"   # two uint8 codes read as one int16
-
-
-class FreezeCounts(NamedTuple):
-    """What :func:`count_freezes` counts for one format.
-
-    Attributes:
-        moved: the sum of the move probabilities ``min(1, |d|/gap)`` (with k random bits
-            resolved to k bits).
-        frozen: the elements that freeze, per tensor, pack after pack.
-        fewbit: the elements whose ratio few-bit SR never moves (0 without few-bit prediction).
-        ratio_hist: the elements per bin of ``log2(|d|/gap)``, ``len(edges) + 1`` bins (NaN
-            ratios in none).
-    """
-
-    moved: float
-    frozen: List[int]
-    fewbit: int
-    ratio_hist: List[int]
-
-
-def _layout_for(pack, rand_bits: Optional[int]) -> str:
-    """How :func:`count_freezes` lays out and counts the codes of a pack: without few-bit
-    prediction two codes per bincount entry (one tensor of an even number of elements) or one
-    (several tensors: 256 bins, the frozen elements per block); else the codes with the few-bit
-    flag, tagged by tensor where there are several."""
-    if rand_bits is None and pack.several:
-        return "bytes"
-    if rand_bits is None and pack.numel % 2 == 0 and PAIRED_BINCOUNT:
-        return "paired"
-    return "tagged" if pack.several else "codes"
-
-
-def _count_parts(layout: str, pack, old: torch.Tensor, new: torch.Tensor, fmt: FloatFormat,
-                 edges: Sequence[int], rand_bits: Optional[int]) -> List[torch.Tensor]:
-    """The counts of one pack and format as flat tensors, read back by :func:`_fold_counts`:
-    the move sum first, then 256 counts of code bytes, then per layout 128 more (``"paired"``:
-    those of the odd elements) or one number per tensor (its frozen elements)."""
-    if layout in ("bytes", "paired"):
-        codes = pack.codes()
-        moved = freeze_code(old, new, fmt, edges, codes, layout)
-        if layout == "bytes":   # one byte per bincount entry, the frozen elements per block
-            return [moved.reshape(1), torch.bincount(codes, minlength=256), pack.per_tensor(frozen_blocks(codes))]
-        # two codes per entry: ``even`` (256) per (bin, frozen, lane) of the even element of a
-        # pair, ``odd`` (128) per (bin, frozen) of the odd one (two plain reductions of the
-        # 32768 counts; the rest in Python on the short lists, where it costs less)
-        rows = torch.bincount(codes.view(torch.int16), minlength=1 << 15).view(128, 256)
-        return [moved.reshape(1), rows.sum(0), rows.sum(1)]
-    # one bincount: frozen, few-bit and bin jointly, per tensor of the pack (the gaps between
-    # tensors have a tag of their own, a row left out)
-    code = torch.empty(pack.numel, dtype=torch.int32 if layout == "tagged" else torch.uint8, device=old.device)
-    moved = freeze_code(old, new, fmt, edges, code, layout, rand_bits, pack.tags())
-    k = len(pack.sizes)
-    joint = torch.bincount(code, minlength=256 * (k + pack.several)).view(-1, 256)[:k]
-    return [moved.reshape(1), joint.sum(0), joint.view(-1, 128, 2)[:, :, 1].sum(1)]
-
-
-def _fold_bytes(counts: list) -> tuple:
-    """From 256 counts per code byte with the frozen flag in bit 1 and the bin in bits 2-7
-    (the ``"bytes"`` layout, the even elements of the ``"paired"`` one) or the few-bit flag in
-    bit 1 (the codes with the flag): the count of the bytes with bit 1 set and the histogram of
-    the 64 values of bits 2-7."""
-    flagged = sum(counts[2::4]) + sum(counts[3::4])
-    return flagged, [a + b + c + d for a, b, c, d in zip(counts[0::4], counts[1::4], counts[2::4], counts[3::4])]
-
-
-def _fold_counts(layout: str, pack, values: list, at: int) -> tuple:
-    """``(moved, frozen per tensor, few-bit count, histogram of the 64 bin values, how many
-    values were read)`` from ``values[at:]``, as :func:`_count_parts` wrote them."""
-    k = len(pack.sizes)
-    moved, counts = values[at], values[at + 1:at + 257]
-    if layout == "bytes":   # the zeros in the gaps: a zero update, frozen, bin 0
-        _, hist = _fold_bytes(counts)
-        hist[0] -= sum(pack.pads)
-        return moved, [f - pad for f, pad in zip(values[at + 257:at + 257 + k], pack.pads)], 0, hist, 257 + k
-    if layout == "paired":
-        frozen, hist = _fold_bytes(counts)
-        odd = values[at + 257:at + 385]
-        frozen += sum(odd[1::2])
-        return moved, [frozen], 0, [h + a + b for h, a, b in zip(hist, odd[0::2], odd[1::2])], 385
-    fewbit, hist = _fold_bytes(counts)   # bit 1: the few-bit flag
-    return moved, values[at + 257:at + 257 + k], fewbit, hist, 257 + k
-
-
-def count_freezes(pairs: Sequence[tuple], formats: Sequence[FloatFormat], edges: Sequence[int],
-                  rand_bits: Optional[int] = None) -> List[FreezeCounts]:
-    """The freeze statistics of the update ``new - old`` of every ``(pack, old, new)`` in
-    ``pairs`` (a :class:`lowprec_demo._packing.Pack` and two flat float32 tensors in its
-    layout), for every format: one :class:`FreezeCounts` per format, over all the packs, with
-    the histogram of ``log2(|d|/gap)`` in the bins of ``edges`` (consecutive integers:
-    :data:`lowprec_demo.prediction.RATIO_BINS`) and with ``rand_bits`` the few-bit count.
-
-    One kernel pass over each pack per format writes one code per element and returns the sum
-    of the move probabilities; the counts come from one bincount per pack, laid out as
-    :func:`_layout_for` says, and everything reaches Python in one transfer."""
-    edges = tuple(edges)   # (a key of the parameter cache)
-    layouts = [_layout_for(pack, rand_bits) for pack, _, _ in pairs]
-    parts = [part for fmt in formats for layout, (pack, old, new) in zip(layouts, pairs)
-             for part in _count_parts(layout, pack, old, new, fmt, edges, rand_bits)]
-    values = torch.cat(parts).tolist() if parts else []          # one transfer
-    out, at = [], 0
-    for _ in formats:
-        moved, frozen, fewbit, hist = 0.0, [], 0, [0] * 64
-        for layout, (pack, _, _) in zip(layouts, pairs):
-            m, f, few, h, used = _fold_counts(layout, pack, values, at)
-            moved += m
-            fewbit += few
-            frozen += [int(x) for x in f]
-            hist = [a + b for a, b in zip(hist, h)]
-            at += used
-        out.append(FreezeCounts(moved, frozen, int(fewbit), [int(c) for c in hist[:len(edges) + 1]]))
-    return out
 
 
 def compile_all(device="cpu") -> dict:

@@ -24,7 +24,7 @@ import test_rounding as TR  # the exhaustive point sets and helpers
 from lowprec_demo import _fused, _packing, bench
 from lowprec_demo.formats import get_format
 from lowprec_demo.optimizer import LowPrecisionOptimizer
-from lowprec_demo.prediction import RATIO_BINS, FreezeObserver, FreezePredictor
+from lowprec_demo.prediction import RATIO_BINS, FreezeObserver, FreezePredictor, count_freezes
 from lowprec_demo.rounding import quantize, random_bits, update_ulp_ratio, would_freeze
 
 pytestmark = [pytest.mark.filterwarnings("ignore:invalid value encountered in cast:RuntimeWarning"),
@@ -314,7 +314,7 @@ def test_freeze_code_is_the_freeze_rule(compiled, key):
         hist_of = lambda b: torch.bincount(b, minlength=64)[:len(RATIO_BINS) + 1].tolist()   # (NaN: 63, left out)
         n = len(code) // 2 * 2
         one = _packing.Pack([0], [old[:n]])   # one tensor, an even number of elements: two codes per entry
-        counts, = _fused.count_freezes([(one, old[:n], new[:n])], [fmt], RATIO_BINS)
+        counts, = count_freezes([(one, old[:n], new[:n])], [fmt], RATIO_BINS)
         assert counts.frozen == [frozen[:n].sum().item()] and counts.fewbit == 0
         assert counts.ratio_hist == hist_of(bins[:n])
         # the "bytes" layout of packs of several tensors: c << 1 | (i & 1), one bincount entry each
@@ -323,7 +323,7 @@ def test_freeze_code_is_the_freeze_rule(compiled, key):
         assert torch.equal(in_bytes, ((frozen << 1) | (i & 1) | (bins.long() << 2)).to(torch.uint8))
         cut = len(old) // 3
         two, old2, new2 = split_pack(old, new, cut)   # the zeros in the gaps are counted out
-        counts, = _fused.count_freezes([(two, old2, new2)], [fmt], RATIO_BINS)
+        counts, = count_freezes([(two, old2, new2)], [fmt], RATIO_BINS)
         assert counts.frozen == [frozen[:cut].sum().item(), frozen[cut:].sum().item()]
         assert counts.ratio_hist == hist_of(bins)
         # the codes with the few-bit flag (with few-bit prediction, or one tensor of an odd number
@@ -334,7 +334,7 @@ def test_freeze_code_is_the_freeze_rule(compiled, key):
         if k is not None:
             cases.append((two, old2, new2, [frozen[:cut].sum().item(), frozen[cut:].sum().item()], len(old)))
         for pack, a, b, want, m in cases:
-            counts, = _fused.count_freezes([(pack, a, b)], [fmt], RATIO_BINS, rand_bits=k)
+            counts, = count_freezes([(pack, a, b)], [fmt], RATIO_BINS, rand_bits=k)
             assert counts.frozen == want and counts.ratio_hist == hist_of(bins[:m])
             assert counts.fewbit == flagged[:m].sum().item()
         n = len(code) // _fused.BLOCK * _fused.BLOCK   # the frozen elements per block, as the packs count them
@@ -401,7 +401,7 @@ def test_the_ratio_bins_are_those_of_their_edges(edges, mode):
     previous = _fused.set_mode(mode)
     try:
         for pair, k in ((one, None), (one, 3), (several, None), (several, 3)):   # paired, codes, bytes, tagged
-            counts, = _fused.count_freezes([pair], [fmt], edges, k)
+            counts, = count_freezes([pair], [fmt], edges, k)
             assert counts.ratio_hist == want, (edges[0], k)
     finally:
         _fused.set_mode(previous)
