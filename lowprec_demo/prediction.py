@@ -213,11 +213,16 @@ PAIRED_BINCOUNT = sys.byteorder == "little"   # two uint8 codes read as one int1
 
 
 class FreezeCounts(NamedTuple):
-    """What :func:`count_freezes` counts for one format: ``moved``, the sum of the move
-    probabilities ``min(1, |d|/gap)`` (with k random bits resolved to k bits); ``frozen``, the
-    elements that freeze, per tensor, pack after pack; ``fewbit``, the elements whose ratio
-    few-bit SR never moves (0 without few-bit prediction); ``ratio_hist``, the elements per bin
-    of ``log2(|d|/gap)``, ``len(edges) + 1`` bins (NaN ratios in none)."""
+    """What :func:`count_freezes` counts for one format.
+
+    Attributes:
+        moved: the sum of the move probabilities ``min(1, |d|/gap)`` (with k random bits
+            resolved to k bits).
+        frozen: the elements that freeze, per tensor, pack after pack.
+        fewbit: the elements whose ratio few-bit SR never moves (0 without few-bit prediction).
+        ratio_hist: the elements per bin of ``log2(|d|/gap)``, ``len(edges) + 1`` bins (NaN
+            ratios in none).
+    """
 
     moved: float
     frozen: List[int]
