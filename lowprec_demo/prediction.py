@@ -46,7 +46,7 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Union
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -212,7 +212,8 @@ def mask_mismatch(predicted: Mapping[str, torch.Tensor], observed: Mapping[str, 
 PAIRED_BINCOUNT = sys.byteorder == "little"   # two uint8 codes read as one int16
 
 
-class FreezeCounts(NamedTuple):
+@dataclass(frozen=True)
+class FreezeCounts:
     """What :func:`count_freezes` counts for one format.
 
     Attributes:
