@@ -179,69 +179,114 @@ def seed_words(seed: int, stream: int = 0) -> tuple:
 # ------------------------------------------------------------------------------------------------
 # the kernels: plain PyTorch functions, run compiled or eagerly
 # ------------------------------------------------------------------------------------------------
-def _mix32(h: torch.Tensor) -> torch.Tensor:
+_EAGER_CONSTANTS: Dict[tuple, torch.Tensor] = {}
+
+
+def _k(value: int, like: torch.Tensor):
+    """The int32 constant ``value`` for an operation with ``like``: compiled, the number itself;
+    eagerly a 0-dim int32 tensor on like's device, made once (torch converts a Python number to
+    a tensor anew on every operation, which costs a third of an integer operation's time on a
+    slice of 128K elements on a CPU)."""
+    if torch.compiler.is_compiling():
+        return value
+    key = (value, like.device)
+    t = _EAGER_CONSTANTS.get(key)
+    if t is None:
+        t = _EAGER_CONSTANTS[key] = torch.tensor(value, dtype=torch.int32, device=like.device)
+    return t
+
+
+def _shift_xor_(h: torch.Tensor) -> torch.Tensor:
+    """``h ^= h >>> 16`` in place, the logical shift made of an arithmetic one and a mask."""
+    t = h >> _k(16, h)
+    t &= _k(0xFFFF, h)
+    h ^= t
+    return h
+
+
+def _mix32_(h: torch.Tensor) -> torch.Tensor:
     """A 32-bit integer finaliser (xor-shift-multiply, multiplier 0x45d9f3b), bijective on
-    32-bit patterns held in int32 lanes: products wrap modulo 2**32 and ``>> 16`` is made
-    logical by a mask (16 lanes per AVX-512 vector)."""
-    h = h ^ ((h >> 16) & 0xFFFF)
-    h = h * 0x45D9F3B
-    h = h ^ ((h >> 16) & 0xFFFF)
-    h = h * 0x45D9F3B
-    return h ^ ((h >> 16) & 0xFFFF)
+    32-bit patterns held in int32 lanes, applied to ``h`` in place (products wrap modulo 2**32)."""
+    _shift_xor_(h).mul_(_k(0x45D9F3B, h))
+    _shift_xor_(h).mul_(_k(0x45D9F3B, h))
+    return _shift_xor_(h)
 
 
 def hash32(index: torch.Tensor, s1, s2) -> torch.Tensor:
     """The 32 random bits of element ``index`` (int32 lanes, read as unsigned) for the seed
     words ``s1, s2`` of :func:`seed_words` (as int32): the one hash of the package, behind
     :func:`sr_fp32` and :func:`lowprec_demo.rounding.random_bits`."""
-    return _mix32(_mix32(index ^ s1) ^ s2)
+    return _hash32_(index.clone(), s1, s2)
 
 
-# Conditions, in two forms. Run eagerly, torch's comparisons (which make bool tensors) and its
-# ``where`` cost about 3 and 18 times an integer ``^`` on a CPU, so there a condition is an int32
-# mask of bits (-1 or 0) and choosing is three integer operations; compiled, the comparison and
-# ``where`` are the faster. The kernels below are written once with these four helpers.
-def _above(a: torch.Tensor, b) -> torch.Tensor:
+def _hash32_(h: torch.Tensor, s1, s2) -> torch.Tensor:
+    """:func:`hash32` of the indices ``h``, written over them."""
+    h ^= s1
+    _mix32_(h)
+    h ^= s2
+    return _mix32_(h)
+
+
+# Eager speed. Run eagerly, each tensor operation is one pass over its slice (see _sliced), so
+# the kernels are written to make those passes cheap without changing what they compute (the
+# compiler makes one loop of them either way): operations on the kernel's own temporaries are
+# in place (``t &= m``: memory already in the cache, where a new tensor's is not), constants
+# are 0-dim tensors (:func:`_k`), and conditions are int32 masks of bits (-1 or 0) instead of
+# bool tensors, because torch's eager comparisons and ``where`` cost about 3 and 18 times an
+# integer ``^``; compiled, comparisons and ``where`` are the faster. The kernels below are
+# written once with these four helpers.
+def _above(a: torch.Tensor, b, own: bool = False) -> torch.Tensor:
     """The condition ``a > b``, for int32 values in 0 .. 2**31 - 1 (eagerly ``(b - a) >> 31``:
-    their difference cannot overflow)."""
+    their difference cannot overflow); ``own``: ``a`` is a temporary not needed after, and
+    eagerly the condition is written over it."""
     if torch.compiler.is_compiling():
         return a > b
-    return (b - a) >> 31
+    b = _k(b, a) if isinstance(b, int) else b
+    t = a.neg_().add_(b) if own else b - a
+    t >>= _k(31, a)
+    return t
 
 
 def _condition(cond: torch.Tensor) -> torch.Tensor:
     """A bool tensor as a condition (eagerly a mask of bits)."""
-    return cond if torch.compiler.is_compiling() else -cond.to(torch.int32)
+    return cond if torch.compiler.is_compiling() else cond.to(torch.int32).neg_()
 
 
-def _select(cond: torch.Tensor, a, b) -> torch.Tensor:
-    """``a`` where the condition holds, else ``b`` (int32)."""
+def _select(cond: torch.Tensor, a, b: torch.Tensor) -> torch.Tensor:
+    """``a`` where the condition holds, else ``b`` (int32; ``b`` a tensor as long as ``cond``)."""
     if torch.compiler.is_compiling():
         return torch.where(cond, a, b)
-    return b ^ ((a ^ b) & cond)
+    t = (_k(a, b) if isinstance(a, int) else a) ^ b
+    t &= cond
+    t ^= b
+    return t
 
 
-def _keep(cond: torch.Tensor, a) -> torch.Tensor:
-    """``a`` where the condition holds, else 0 (int32)."""
+def _keep(cond: torch.Tensor, a, own: bool = False) -> torch.Tensor:
+    """``a`` where the condition holds, else 0 (int32); ``own``: the condition is a temporary
+    not needed after (eagerly the result is written over it)."""
     if torch.compiler.is_compiling():
         return torch.where(cond, a, 0)
-    return a & cond
+    return cond.__iand__(a) if own else cond & a
 
 
 def _decompose(u: torch.Tensor, man_bits, emin_b):
     """For non-negative float32 bit patterns ``u``: ``(E' - 1) << 23``, the integer significand
     ``S`` and the number ``d`` of its low bits below the target grid's spacing."""
-    e = torch.clamp(u >> 23, min=1)
-    top = (e - 1) << 23
-    d = (23 - man_bits) + torch.clamp(emin_b - e, min=0)
-    return top, u - top, d
+    e = (u >> _k(23, u)).clamp_(min=1)
+    d = (emin_b - e).clamp_(min=0)
+    d += 23 - man_bits
+    e -= _k(1, u)
+    e <<= _k(23, u)
+    return e, u - e, d
 
 
 def _repack(out: torch.Tensor, sign: torch.Tensor, nan: torch.Tensor, max_bits, over_bits) -> torch.Tensor:
     """Magnitude bits ``out`` back to float32: beyond the format's max the overflow value, NaN
     where the condition ``nan`` holds (the input was NaN), the input's sign."""
-    out = _select(_above(out, max_bits), over_bits, out)
-    return (_select(nan, _NAN_BITS, out) | sign).view(torch.float32)
+    out = _select(nan, _NAN_BITS, _select(_above(out, max_bits), over_bits, out))
+    out |= sign
+    return out.view(torch.float32)
 
 
 def rne_fp32(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -249,10 +294,11 @@ def rne_fp32(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     :func:`nearest_params`) describes, with its overflow policy; the sign (of zero too) is kept
     and NaN stays NaN."""
     bits = x.view(torch.int32)
-    u = bits & 0x7FFFFFFF
+    u = bits & _k(0x7FFFFFFF, x)
     nan = _above(u, _INF_BITS)
-    out = _rne_magnitude(_keep(~nan, u), p[0], p[1], p[2], p[3])   # (a NaN's magnitude as 0)
-    return (_select(nan, _NAN_BITS, out) | (bits & _INT32_MIN)).view(torch.float32)
+    out = _select(nan, _NAN_BITS, _rne_magnitude(_keep(~nan, u), p[0], p[1], p[2], p[3]))  # (a NaN's magnitude as 0)
+    out |= bits & _k(_INT32_MIN, x)
+    return out.view(torch.float32)
 
 
 def sr_fp32(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -264,25 +310,35 @@ def sr_fp32(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     up to the whole gap) always moving."""
     man_bits, emin_b, k, max_bits, over_bits, tiny_bits, s1, s2, first = (p[i] for i in range(9))
     bits = x.view(torch.int32)
-    u = bits & 0x7FFFFFFF                   # (a NaN goes through the arithmetic and is replaced)
+    u = bits & _k(0x7FFFFFFF, x)            # (a NaN goes through the arithmetic and is replaced)
     top, s, d = _decompose(u, man_bits, emin_b)
-    frac = s & ((1 << torch.clamp(d, max=25)) - 1)  # below 2**24: exact as a float32
+    dd = torch.clamp(d, max=25)
+    down = (s >> dd) << dd                  # S rounded down to the grid
+    frac = s - down                         # S mod 2**d, below 2**24: exact as a float32
     j = torch.clamp(d, max=k)
     # P = round_half_even(frac * 2**(j - d)): frac itself when d <= k; at 2**-30 and below the
     # product is below 1/64 and rounds to 0 either way
-    scale = ((torch.clamp(j - d, min=-30) + 127) << 23).view(torch.float32)
-    position = torch.round(frac.to(torch.float32) * scale).to(torch.int32)
-    index = torch.arange(x.numel(), dtype=torch.int32, device=x.device) + first
-    r = hash32(index, s1, s2)
+    scale = (j - d).clamp_(min=-30)
+    scale += _k(127, x)
+    scale <<= _k(23, x)
+    position = frac.to(torch.float32)
+    position *= scale.view(torch.float32)
+    position = position.round_().to(torch.int32)
+    r = torch.arange(x.numel(), dtype=torch.int32, device=x.device)
+    r += first
+    r = _hash32_(r, s1, s2)
     # P * 2**(32 - j) modulo 2**32 (j = 0 only with P = 0); shift counts stay below 32 (Triton
     # leaves larger ones undefined). move: where the value moves away from zero
-    threshold = position << torch.clamp(32 - j, max=31)
-    below = _condition((r ^ _INT32_MIN) < (threshold ^ _INT32_MIN))   # unsigned r < threshold
-    move = below | _above(position >> torch.clamp(j, max=31), 0)
-    q = (s - frac) + _keep(move, 1 << torch.clamp(d, max=24))
+    threshold = position << (_k(32, x) - j).clamp_(max=31)
+    r ^= _k(_INT32_MIN, x)
+    threshold ^= _k(_INT32_MIN, x)
+    move = _above(position >> j.clamp_(max=31), 0, own=True)
+    move |= _condition(r < threshold)      # unsigned r < threshold
+    down += _keep(move, _k(1, x) << dd.clamp_(max=24))
+    down += top
     # d >= 24: the value is below the smallest subnormal step: 0 or that step
-    out = _select(_above(d, 23), _keep(move, tiny_bits), top + q)
-    return _repack(out, bits & _INT32_MIN, _above(u, _INF_BITS), max_bits, over_bits)
+    out = _select(_above(d, 23, own=True), _keep(move, tiny_bits, own=True), down)
+    return _repack(out, bits & _k(_INT32_MIN, x), _above(u, _INF_BITS, own=True), max_bits, over_bits)
 
 
 def freeze_code_fp32(old: torch.Tensor, new: torch.Tensor, p: torch.Tensor, out: torch.Tensor,
@@ -372,11 +428,17 @@ def _rne_magnitude(u: torch.Tensor, man_bits, emin_b, max_bits, over_bits) -> to
     ``d = 0``), and ``(E' - 1) << 23`` added back, so that a carry runs into the exponent. For
     ``d >= 25`` every significand (below ``2**24``) rounds to 0."""
     top, s, d = _decompose(u, man_bits, emin_b)
-    d = torch.clamp(d, max=25)
-    half = (1 << d) >> 1
-    odd = (s >> d) & torch.clamp(half, max=1)   # the last kept bit, for ties (none when d = 0)
-    q = ((s + (half - 1 + odd).clamp(min=0)) >> d) << d
-    out = _keep(_above(q, 0), top + q)      # q = 0: the magnitude is 0
+    d.clamp_(max=25)
+    half = _k(1, u) << d
+    half >>= _k(1, u)
+    bias = s >> d
+    bias &= torch.clamp(half, max=1)        # the last kept bit, for ties (none when d = 0)
+    bias += half
+    bias -= _k(1, u)
+    s += bias.clamp_(min=0)
+    s >>= d
+    s <<= d
+    out = _keep(_above(s, 0), top.add_(s))  # a rounded significand of 0: the magnitude is 0
     return _select(_above(out, max_bits), over_bits, out)
 
 
@@ -496,7 +558,23 @@ def _sr_fp32_(x: torch.Tensor, p: torch.Tensor) -> None:
 # ------------------------------------------------------------------------------------------------
 # running a kernel: compiled when asked or when the work pays for it, else the same function eagerly
 # ------------------------------------------------------------------------------------------------
-EAGER_CHUNK = 1 << 16   # eagerly, tensors go in slices this long: each temporary stays in the L2 cache
+EAGER_CHUNK = 1 << 18   # eagerly, tensors go in slices this long (the fastest of 2**15 .. 2**19 here)
+
+
+_HEAP = {"kept": False}
+
+
+def _keep_freed_memory() -> None:
+    """Let the C allocator keep the slices' freed temporaries, once per process. glibc's malloc
+    gives memory freed at the top of its heap back to the system once there is more of it than
+    a threshold (128 KB at first, then twice the largest block it mapped on its own and has
+    freed), so that the next slice takes a page fault for every 4 KB of it that it writes (a
+    third of the eager time here). Mapping and freeing one 16 MB block raises the threshold to
+    32 MB, as in any process that has freed a tensor of that size; other allocators ignore it."""
+    if not _HEAP["kept"]:
+        _HEAP["kept"] = True
+        block = torch.empty(1 << 22, dtype=torch.int32)
+        del block
 
 
 def _sliced(fn, args: tuple, first: Optional[int] = None, options: Optional[dict] = None):
@@ -509,6 +587,7 @@ def _sliced(fn, args: tuple, first: Optional[int] = None, options: Optional[dict
     options = options or {}
     if n <= EAGER_CHUNK:
         return fn(*args, **options)
+    _keep_freed_memory()
     outs, pieces, single = None, None, False
     for start in range(0, n, EAGER_CHUNK):
         sliced = [a[start:start + EAGER_CHUNK] if torch.is_tensor(a) and a.dim() and a.numel() == n else a

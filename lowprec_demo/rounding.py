@@ -48,7 +48,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional, Tuple, Union
 
 import torch
 
@@ -286,6 +286,21 @@ def _native_dtype(x: torch.Tensor, fmt: FloatFormat, policy: str) -> Optional[to
     return None
 
 
+def _checked(x: torch.Tensor, fmt: Union[str, FloatFormat], rounding: str, rand_bits: Optional[int],
+             overflow: Optional[str]) -> Tuple[FloatFormat, str]:
+    """The arguments of :func:`quantize` and :func:`quantize_` checked (each bad one refused
+    with the values it may take): the format and the overflow policy that applies."""
+    fmt = get_format(fmt)
+    _check_tensor(x)
+    if rounding not in ROUNDING_MODES:
+        raise ValueError(f"rounding must be one of {', '.join(ROUNDING_MODES)}; got {rounding!r}")
+    _check_rand_bits(rand_bits)
+    policy = fmt.overflow if overflow is None else overflow
+    check_overflow_policy(fmt, policy)
+    _check_narrow(x.dtype, fmt)
+    return fmt, policy
+
+
 def quantize(x: torch.Tensor, fmt: Union[str, FloatFormat], rounding: str = "nearest",
              generator: GeneratorLike = None, rand_bits: Optional[int] = None,
              overflow: Optional[str] = None) -> torch.Tensor:
@@ -309,14 +324,7 @@ def quantize(x: torch.Tensor, fmt: Union[str, FloatFormat], rounding: str = "nea
         >>> quantize(torch.tensor([1.0, 1.0 + 2**-8, 1.0 + 3 * 2**-8]), "bf16").tolist()
         [1.0, 1.0, 1.015625]
     """
-    fmt = get_format(fmt)
-    _check_tensor(x)
-    if rounding not in ROUNDING_MODES:
-        raise ValueError(f"rounding must be one of {', '.join(ROUNDING_MODES)}; got {rounding!r}")
-    _check_rand_bits(rand_bits)
-    policy = fmt.overflow if overflow is None else overflow
-    check_overflow_policy(fmt, policy)
-    _check_narrow(x.dtype, fmt)
+    fmt, policy = _checked(x, fmt, rounding, rand_bits, overflow)
     x = x.detach()
 
     if x.dtype in _NARROW:  # widen exactly, round, narrow exactly (the format fits in the dtype)
@@ -359,14 +367,7 @@ def quantize_(x: torch.Tensor, fmt: Union[str, FloatFormat], rounding: str = "ne
         >>> quantize_(torch.tensor([1.0 + 2**-9, 3.0]), "e2m1").tolist()
         [1.0, 3.0]
     """
-    fmt = get_format(fmt)
-    _check_tensor(x)
-    if rounding not in ROUNDING_MODES:
-        raise ValueError(f"rounding must be one of {', '.join(ROUNDING_MODES)}; got {rounding!r}")
-    _check_rand_bits(rand_bits)
-    policy = fmt.overflow if overflow is None else overflow
-    check_overflow_policy(fmt, policy)
-    _check_narrow(x.dtype, fmt)
+    fmt, policy = _checked(x, fmt, rounding, rand_bits, overflow)
     with torch.no_grad():
         if x.dtype != torch.float32 or not x.is_contiguous() or x.numel() > _fused.MAX_NUMEL:
             return x.copy_(quantize(x, fmt, rounding, generator, rand_bits, policy))

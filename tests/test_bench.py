@@ -157,7 +157,7 @@ def sr_by_integer_position(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     position = torch.where(d > k, (frac + (half - 1 + odd).clamp(min=0)) >> sh, frac)
     j = torch.clamp(d, max=k)
     index = torch.arange(x.numel(), dtype=torch.int32) + first
-    r = _fused._mix32(_fused._mix32(index ^ s1) ^ s2)
+    r = _fused.hash32(index, s1, s2)
     top_j = (r >> torch.clamp(32 - j, min=0, max=31)) & (0x7FFFFFFF >> torch.clamp(31 - j, min=0, max=31))
     move = (top_j < position) & ((j < 32) | (r >= 0))
     q = (s - frac) + (move.to(torch.int32) << torch.clamp(d, max=24))
@@ -224,7 +224,7 @@ def test_sr_random_bits_are_the_public_hash():
     n = 50_000
     seed = (0xDEADBEEF << 32) | 0x12345678
     s1, s2 = _fused.stochastic_params(get_format("bf16"), "inf", None, seed)[6:8]
-    h = _fused._mix32(_fused._mix32(torch.arange(n, dtype=torch.int32) ^ s1) ^ s2)
+    h = _fused.hash32(torch.arange(n, dtype=torch.int32), s1, s2)
     assert torch.equal(h.to(torch.int64) & 0xFFFFFFFF, random_bits((n,), seed))
     # 1 + f * 2**-7 for f = i/2**16: moves up exactly when the top 16 bits of the hash < f * 2**16 / ...
     frac = torch.randint(0, 1 << 16, (n,))
