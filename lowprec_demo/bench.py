@@ -16,6 +16,9 @@ Measures in one run, side by side, and prints tables with ratios:
   plain step and the peak memory of each;
 * how the costs grow: ``quantize`` against tensor size, and the tracked step against model size;
 * the one-time cost of compiling the fused kernels;
+* where the warm stochastic rounding's time goes (:func:`bench_split`): a plain copy, the bf16
+  round trip, round to nearest, the hash alone and stochastic rounding, compiled, with the vector
+  width the compiler picked;
 * the cold path, as a reader who calls ``quantize`` once meets it: the same rounding with
   compiling off against the native round trip, and the first call of a fresh process (a new
   Python process, compiling included where its mode compiles).
@@ -60,7 +63,7 @@ from .rounding import quantize
 from .results import atomic_write_json, provenance
 from .training import lowprec_named_params, make_optimizer, variant_wrapper
 
-__all__ = ["run", "main", "summary", "report", "build_model", "bench_first_call", "cpu_vector_extensions",
+__all__ = ["run", "main", "summary", "report", "build_model", "bench_first_call", "bench_split", "cpu_vector_extensions",
            "QUANTIZE_FORMATS", "MODELS", "TARGETS"]
 
 # (format, torch dtype of its native round trip or None)
@@ -268,6 +271,51 @@ def bench_quantize(n: int, device: str, repeats: int, eager: bool = True) -> Lis
                     _fused.set_mode(previous)
             rows.append(row)
     return rows
+
+
+def _hash_only(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """The stochastic-rounding kernel's random bits alone, written as float32 (for the split)."""
+    r = torch.arange(x.numel(), dtype=torch.int32, device=x.device) + p[8]
+    return _fused.hash32(r, p[6], p[7]).view(torch.float32)
+
+
+def _compiler_vector_width() -> Optional[str]:
+    """The vector instruction set inductor compiles CPU kernels for here (e.g. ``"avx2"``,
+    256 bits), or None where it cannot say."""
+    try:
+        from torch._inductor import cpu_vec_isa
+        isa = cpu_vec_isa.pick_vec_isa()
+        return f"{isa} ({isa.bit_width()} bits)" if isa else "none (scalar loops)"
+    except Exception:
+        return None
+
+
+def bench_split(n: int, device: str, repeats: int) -> dict:
+    """Where the warm compiled stochastic rounding's time goes, on ``n`` float32 elements to
+    bf16, each compiled once and timed in the same rounds: a plain copy (one read and one
+    write, the floor of any rounding), torch's bf16 round trip, round to nearest (the same
+    passes over memory, no hash), the hash alone (its bits written as a float32 tensor) and
+    stochastic rounding; with the vector width inductor picked and the CPU's vector extensions.
+    On a CPU whose round trip is one instruction each way (``avx512_bf16``) the ratio to the
+    round trip is larger for the same kernel."""
+    torch.manual_seed(0)
+    x = torch.randn(n, device=device)
+    fmt = get_format("bf16")
+    pn = torch.tensor(_fused.nearest_params(fmt, fmt.overflow), dtype=torch.int32, device=device)
+    ps = torch.tensor(_fused.stochastic_params(fmt, fmt.overflow, None, 1), dtype=torch.int32, device=device)
+    compiled = {name: torch.compile(fn, dynamic=True, fullgraph=True)
+                for name, fn in (("nearest", _fused.rne_fp32), ("hash", _hash_only), ("stochastic", _fused.sr_fp32))}
+    cases = {"copy": lambda: x.clone(), "native": lambda: x.to(torch.bfloat16).float(),
+             "nearest": lambda: compiled["nearest"](x, pn), "hash": lambda: compiled["hash"](x, ps),
+             "stochastic": lambda: compiled["stochastic"](x, ps)}
+    try:
+        with torch.no_grad():
+            t = _rounds(cases, device, repeats)
+    except Exception as error:  # no compiler here: nothing to split
+        return {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"}
+    return {"n": n, "ms": {k: v * 1e3 for k, v in t.items()}, "to_native": {k: v / t["native"] for k, v in t.items()},
+            "compiler_vector_width": _compiler_vector_width() if device == "cpu" else None,
+            "cpu_vector_extensions": cpu_vector_extensions() if device == "cpu" else None}
 
 
 _FIRST_CALL = """
@@ -558,6 +606,17 @@ def report(result: dict) -> str:
         out.append("(* no torch dtype: compared with the bf16 round trip. GB/s counts one float32 read and one "
                    "write. eager: with the fused kernels off. memory / input: peak extra memory of one call over the "
                    "input's size; the result itself is 1.)")
+    split = result.get("split")
+    if split and "ms" in split:
+        out.append(f"\n## Where the warm stochastic rounding's time goes, {split['n'] / 2**20:g}M float32 to bf16 "
+                   f"(compiled; inductor's vector width: {split.get('compiler_vector_width')}; CPU: "
+                   f"{', '.join((split.get('cpu_vector_extensions') or {}).get('flags', [])) or '-'})")
+        labels = {"copy": "x.clone() (one read, one write)", "native": "x.to(bfloat16).float()",
+                  "nearest": "round to nearest (no hash)", "hash": "the hash alone", "stochastic": "stochastic rounding"}
+        out.append(_table(["work", "ms", "/ native round trip"],
+                          [[labels[k], _fmt(v, 2), _fmt(split["to_native"][k])] for k, v in split["ms"].items()]))
+    elif split:
+        out.append(f"\n(where the warm stochastic rounding's time goes: not measured, {split['error']})")
     libs = result.get("libraries")
     if libs:
         out.append("\n## Other libraries (same input; differ = elements of 100k random + edge cases whose "
@@ -757,6 +816,8 @@ def run(device: str = "cpu", quick: bool = False, size: Optional[int] = None, re
     result["compile"] = warm_up(device)
     say(f"quantize, {size} elements ...")
     result["quantize"] = bench_quantize(size, device, repeats, eager=eager)
+    say("where the warm stochastic rounding's time goes ...")
+    result["split"] = bench_split(size, device, repeats)
     if eager:
         say("the first call of a fresh process ...")
         result["first_call"] = bench_first_call(size, device)
