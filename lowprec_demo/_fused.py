@@ -58,9 +58,9 @@ When is the compiled version used?
     tensor of 2 or more elements, ``"auto"`` (default) once a kernel's eager work, this call
     included, reaches :data:`EAGER_BUDGET` elements (a single call that large compiles at
     once). Compiling costs 6-13 s once per process on a CPU (the lower figure once inductor's
-    disk cache is warm), and the eager functions, run in slices that stay in the cache, cost
-    about 15 (round to nearest) to 25 (stochastic rounding) ns an element more than the
-    compiled ones here (the benchmark's cold-path table), so compiling pays after 2**28 to
+    disk cache is warm), and the eager functions, run in slices of :data:`EAGER_CHUNK`
+    elements, cost about 10 (round to nearest) to 20 (stochastic rounding) ns an element more
+    than the compiled ones here (the benchmark's cold-path table), so compiling pays after 2**28 to
     2**30 elements; the budget leans toward compiling early: a chapter that rounds a few
     tensors never waits for it, a GPT-2 step compiles at once. If compiling fails (no C++ compiler, an unsupported platform), the same functions
     run eagerly from then on and :func:`status` says why; it also counts the calls that ran
@@ -558,7 +558,7 @@ def _sr_fp32_(x: torch.Tensor, p: torch.Tensor) -> None:
 # ------------------------------------------------------------------------------------------------
 # running a kernel: compiled when asked or when the work pays for it, else the same function eagerly
 # ------------------------------------------------------------------------------------------------
-EAGER_CHUNK = 1 << 18   # eagerly, tensors go in slices this long (the fastest of 2**15 .. 2**19 here)
+EAGER_CHUNK = 1 << 18   # eagerly, tensors go in slices this long (the fastest of 2**16 .. 2**19 here)
 
 
 _HEAP = {"kept": False}

@@ -634,6 +634,14 @@ def test_modes():
 # ------------------------------------------------------------------------------------------------
 # the benchmark
 # ------------------------------------------------------------------------------------------------
+def test_the_split_times_the_kernels_own_hash():
+    """The benchmark's "hash alone" is the stochastic-rounding kernel's random bits."""
+    seed = 0x1234_5678_9ABC
+    p = torch.tensor(_fused.stochastic_params(get_format("bf16"), "inf", None, seed), dtype=torch.int32)
+    bits = bench._hash_only(torch.zeros(3000), p).view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    assert torch.equal(bits, random_bits((3000,), seed))
+
+
 def test_benchmark_runs_at_tiny_sizes(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(bench, "STEP_SECONDS", 0.0)   # one step per timing: seconds, not minutes
     result = bench.run("cpu", quick=True, size=5000, repeats=1, models=["nanogpt-quick"], libraries=True,
@@ -670,6 +678,11 @@ def test_benchmark_runs_at_tiny_sizes(tmp_path, capsys, monkeypatch):
         assert first[key]["seconds"] > 0 and sum(first[key]["calls"].values()) == 1
     assert "| first call of a fresh process" in text and "| bf16 stochastic " in text
     assert set(result["machine"]["cpu_vector_extensions"]) == {"flags", "torch_capability"}
+    # where the warm stochastic rounding's time goes: five parts, each against the round trip
+    split = result["split"]
+    assert set(split["ms"]) == {"copy", "native", "nearest", "hash", "stochastic"}
+    assert split["to_native"]["native"] == 1.0 and all(v > 0 for v in split["ms"].values())
+    assert "## Where the warm stochastic rounding's time goes" in bench.report(result)
     result["quantize"][0]["ratio"] = 9.0     # bf16 nearest, target 1.5
     result["training"][0]["ratio"]["stochastic"] = 1.5
     result["training"][0]["ratio_from_parts"]["stochastic"] = 1.01
