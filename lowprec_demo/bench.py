@@ -63,8 +63,8 @@ from .rounding import quantize
 from .results import atomic_write_json, provenance
 from .training import lowprec_named_params, make_optimizer, variant_wrapper
 
-__all__ = ["run", "main", "summary", "report", "build_model", "bench_first_call", "bench_split", "cpu_vector_extensions",
-           "QUANTIZE_FORMATS", "MODELS", "TARGETS"]
+__all__ = ["run", "main", "summary", "report", "build_model", "bench_first_call", "bench_split", "cpu_identity",
+           "cpu_label", "cpu_vector_extensions", "QUANTIZE_FORMATS", "MODELS", "TARGETS"]
 
 # (format, torch dtype of its native round trip or None)
 QUANTIZE_FORMATS = [("bf16", torch.bfloat16), ("fp16", torch.float16), ("e4m3", torch.float8_e4m3fn),
@@ -178,6 +178,46 @@ VECTOR_FLAGS = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl
                 "amx_tile", "asimd", "sve", "sve2")
 
 
+#: the /proc/cpuinfo fields that tell one processor of the same model name from another (virtual
+#: machines often report only "AMD EPYC" or "Intel(R) Xeon(R) Processor")
+CPU_FIELDS = {"vendor_id": "vendor", "cpu family": "family", "model": "model", "stepping": "stepping",
+              "cpu MHz": "mhz", "cache size": "cache"}
+
+
+def cpu_identity() -> dict:
+    """Which processor this is beyond its model name: vendor, family, model and stepping, clock
+    (MHz, as the kernel reports it) and the cache size ``/proc/cpuinfo`` gives for its first
+    processor (empty where there is no such file). Two virtual machines that both say
+    "AMD EPYC" can be different generations at different clocks.
+
+    Example: ``cpu_identity()`` -> ``{"vendor": "AuthenticAMD", "family": 23, "model": 1, ...}``."""
+    found = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if not line.strip():
+                    break               # the first processor only
+                key, _, value = line.partition(":")
+                name = CPU_FIELDS.get(key.strip())
+                if name is not None:
+                    value = value.strip()
+                    found[name] = (float(value) if name == "mhz" else int(value)
+                                   if name in ("family", "model", "stepping") and value.isdigit() else value)
+    except OSError:
+        pass
+    return found
+
+
+def cpu_label(identity: dict) -> str:
+    """:func:`cpu_identity` in a few words: ``"family 23 model 1 stepping 2, 1996 MHz, cache 512 KB"``."""
+    parts = [" ".join(f"{k} {identity[k]}" for k in ("family", "model", "stepping") if k in identity)]
+    if "mhz" in identity:
+        parts.append(f"{identity['mhz']:.0f} MHz")
+    if "cache" in identity:
+        parts.append(f"cache {identity['cache']}")
+    return ", ".join(p for p in parts if p)
+
+
 def cpu_vector_extensions() -> dict:
     """The CPU's vector extensions: the flags of :data:`VECTOR_FLAGS` its ``/proc/cpuinfo``
     lists (empty where there is no such file) and the widest instruction set torch's own CPU
@@ -208,7 +248,7 @@ def _machine(device: str) -> dict:
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     return {"date": p["date"], "device": device, "package_version": p["package_version"],
             "git_commit": p["git_commit"], "device_name": p["device_name"], "cpu_count": os.cpu_count(),
-            "cpu_vector_extensions": cpu_vector_extensions(),
+            "cpu_vector_extensions": cpu_vector_extensions(), "cpu": cpu_identity() if device == "cpu" else None,
             "threads": torch.get_num_threads(), "torch": p["torch_version"], "python": p["python_version"],
             "platform": p["hostname_platform"],
             "load_average_start": None if load is None else [round(v, 2) for v in load]}
@@ -586,8 +626,9 @@ def _fmt(value, digits=2) -> str:
 def report(result: dict) -> str:
     """The tables of a :func:`run` result, as Markdown."""
     m = result["machine"]
+    cpu = f", {cpu_label(m['cpu'])}" if m.get("cpu") else ""
     out = [f"# lowprec_demo benchmark, {m['date']}",
-           f"{m['device_name']} ({m['device']}, {m['threads']} threads of {m['cpu_count']} cores), torch {m['torch']}, "
+           f"{m['device_name']}{cpu} ({m['device']}, {m['threads']} threads of {m['cpu_count']} cores), torch {m['torch']}, "
            f"load average at start {m['load_average_start']}, fused kernels: {result['fused']['mode']}, "
            f"lowprec_demo {m.get('package_version')} at commit {m.get('git_commit') or 'unknown'}"]
     comp = result.get("compile")
@@ -729,7 +770,8 @@ def summary(result: dict) -> str:
     def verdict(text: str) -> str:
         return f"{text} {QUICK_MARK}" if quick and "no" in text.split() else text
     out = [_quick_note(result), ""] if quick else []
-    out += [f"Measured {m['date'][:10]} on {m['device_name']} ({m['device']}, {m['threads']} of {m['cpu_count']} "
+    cpu = f", {cpu_label(m['cpu'])}" if m.get("cpu") else ""
+    out += [f"Measured {m['date'][:10]} on {m['device_name']}{cpu} ({m['device']}, {m['threads']} of {m['cpu_count']} "
            f"cores), torch {m['torch']}, lowprec_demo {m.get('package_version')} at commit "
            f"{(m.get('git_commit') or 'unknown')[:12]}."]
     q = result.get("quantize") or []
