@@ -313,10 +313,11 @@ def bench_quantize(n: int, device: str, repeats: int, eager: bool = True) -> Lis
     return rows
 
 
-def _hash_only(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """The stochastic-rounding kernel's random bits alone, written as float32 (for the split)."""
-    r = torch.arange(x.numel(), dtype=torch.int32, device=x.device) + p[8]
-    return _fused.hash32(r, p[6], p[7]).view(torch.float32)
+def _hash_only(bits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """The stochastic-rounding kernel's random bits alone, one int32 per element of ``bits``
+    (for the split)."""
+    r = torch.arange(bits.numel(), dtype=torch.int32, device=bits.device) + p[8]
+    return _fused.hash32(r, p[6], p[7])
 
 
 def _compiler_vector_width() -> Optional[str]:
@@ -334,20 +335,21 @@ def bench_split(n: int, device: str, repeats: int) -> dict:
     """Where the warm compiled stochastic rounding's time goes, on ``n`` float32 elements to
     bf16, each compiled once and timed in the same rounds: a plain copy (one read and one
     write, the floor of any rounding), torch's bf16 round trip, round to nearest (the same
-    passes over memory, no hash), the hash alone (its bits written as a float32 tensor) and
-    stochastic rounding; with the vector width inductor picked and the CPU's vector extensions.
+    passes over memory, no hash), the hash alone (its bits written as an int32 tensor) and
+    stochastic rounding, the kernels as the package runs them (on the bit patterns); with the vector width inductor picked and the CPU's vector extensions.
     On a CPU whose round trip is one instruction each way (``avx512_bf16``) the ratio to the
     round trip is larger for the same kernel."""
     torch.manual_seed(0)
     x = torch.randn(n, device=device)
+    bits = x.view(torch.int32)
     fmt = get_format("bf16")
     pn = torch.tensor(_fused.nearest_params(fmt, fmt.overflow), dtype=torch.int32, device=device)
     ps = torch.tensor(_fused.stochastic_params(fmt, fmt.overflow, None, 1), dtype=torch.int32, device=device)
     compiled = {name: torch.compile(fn, dynamic=True, fullgraph=True)
-                for name, fn in (("nearest", _fused.rne_fp32), ("hash", _hash_only), ("stochastic", _fused.sr_fp32))}
+                for name, fn in (("nearest", _fused.rne_bits), ("hash", _hash_only), ("stochastic", _fused.sr_bits))}
     cases = {"copy": lambda: x.clone(), "native": lambda: x.to(torch.bfloat16).float(),
-             "nearest": lambda: compiled["nearest"](x, pn), "hash": lambda: compiled["hash"](x, ps),
-             "stochastic": lambda: compiled["stochastic"](x, ps)}
+             "nearest": lambda: compiled["nearest"](bits, pn), "hash": lambda: compiled["hash"](bits, ps),
+             "stochastic": lambda: compiled["stochastic"](bits, ps)}
     try:
         with torch.no_grad():
             t = _rounds(cases, device, repeats)

@@ -324,7 +324,6 @@ def count_freezes(pairs: Sequence[tuple], formats: Sequence[FloatFormat], edges:
     return out
 
 
-
 class StepTracker:
     """What :class:`FreezeObserver` and :class:`FreezePredictor` share: a snapshot of the tracked
     tensors taken by :meth:`before_step`, just before ``optimizer.step()``, compared with their

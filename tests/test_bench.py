@@ -86,10 +86,10 @@ def test_compiled_nearest_is_the_eager_code_on_the_exhaustive_points(compiled, k
     x = torch.from_numpy(TR.exhaustive_points(key).astype(np.float32))
     p = torch.tensor(_fused.nearest_params(fmt, policy), dtype=torch.int32)
     eager = TR.generic_nearest(x, fmt, policy)
-    assert same_bits(compiled["nearest"](x, p), eager)
+    assert same_bits(compiled["nearest"](x.view(torch.int32), p).view(torch.float32), eager)
     assert same_bits(_fused.rne_fp32(x, p), eager)   # the kernel function run eagerly
     y = x.clone()
-    compiled["nearest_"](y, p)
+    compiled["nearest_"](y.view(torch.int32), p)
     assert same_bits(y, eager)
 
 
@@ -99,7 +99,8 @@ def test_compiled_nearest_on_random_inputs(compiled, key):
     x = sample_fp32(fmt, sum(map(ord, key)))
     for policy in TR.policies(fmt):
         p = torch.tensor(_fused.nearest_params(fmt, policy), dtype=torch.int32)
-        assert same_bits(compiled["nearest"](x, p), TR.generic_nearest(x, fmt, policy)), policy
+        got = compiled["nearest"](x.view(torch.int32), p).view(torch.float32)
+        assert same_bits(got, TR.generic_nearest(x, fmt, policy)), policy
 
 
 @pytest.mark.parametrize("key", list(ROUND_FORMATS))
@@ -175,9 +176,9 @@ def test_compiled_sr_is_the_eager_function(compiled, key):
             p = torch.tensor(_fused.stochastic_params(fmt, policy, k, 1234567891234), dtype=torch.int32)
             eager = _fused.sr_fp32(x, p)
             assert same_bits(eager, sr_by_integer_position(x, p)), (policy, k)
-            assert same_bits(compiled["stochastic"](x, p), eager), (policy, k)
+            assert same_bits(compiled["stochastic"](x.view(torch.int32), p).view(torch.float32), eager), (policy, k)
             y = x.clone()
-            compiled["stochastic_"](y, p)
+            compiled["stochastic_"](y.view(torch.int32), p)
             assert same_bits(y, eager), (policy, k)
         # every result is on the grid (continued above max, then the policy)
         y = _fused.sr_fp32(x, p)
@@ -634,11 +635,28 @@ def test_modes():
 # ------------------------------------------------------------------------------------------------
 # the benchmark
 # ------------------------------------------------------------------------------------------------
+def test_cpu_identity_reads_the_first_processor(tmp_path, monkeypatch):
+    """Family, model, stepping, clock and cache of the first processor in /proc/cpuinfo, and the
+    few words the tables show; nothing (and no error) where there is no such file."""
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 23\nmodel\t\t: 1\n"
+                    "model name\t: AMD EPYC\nstepping\t: 2\ncpu MHz\t\t: 1996.248\ncache size\t: 512 KB\n\n"
+                    "processor\t: 1\ncpu MHz\t\t: 3000.000\n")
+    real_open = open
+    monkeypatch.setattr("builtins.open", lambda path, *a, **k: real_open(info if path == "/proc/cpuinfo" else path, *a, **k))
+    identity = bench.cpu_identity()
+    assert identity == {"vendor": "AuthenticAMD", "family": 23, "model": 1, "stepping": 2, "mhz": 1996.248,
+                        "cache": "512 KB"}
+    assert bench.cpu_label(identity) == "family 23 model 1 stepping 2, 1996 MHz, cache 512 KB"
+    info.unlink()
+    assert bench.cpu_identity() == {} and bench.cpu_label({}) == ""
+
+
 def test_the_split_times_the_kernels_own_hash():
     """The benchmark's "hash alone" is the stochastic-rounding kernel's random bits."""
     seed = 0x1234_5678_9ABC
     p = torch.tensor(_fused.stochastic_params(get_format("bf16"), "inf", None, seed), dtype=torch.int32)
-    bits = bench._hash_only(torch.zeros(3000), p).view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    bits = bench._hash_only(torch.zeros(3000, dtype=torch.int32), p).to(torch.int64) & 0xFFFFFFFF
     assert torch.equal(bits, random_bits((3000,), seed))
 
 
@@ -678,6 +696,9 @@ def test_benchmark_runs_at_tiny_sizes(tmp_path, capsys, monkeypatch):
         assert first[key]["seconds"] > 0 and sum(first[key]["calls"].values()) == 1
     assert "| first call of a fresh process" in text and "| bf16 stochastic " in text
     assert set(result["machine"]["cpu_vector_extensions"]) == {"flags", "torch_capability"}
+    assert result["machine"]["cpu"] == bench.cpu_identity()
+    if result["machine"]["cpu"]:   # where /proc/cpuinfo says which processor this is, the tables do too
+        assert bench.cpu_label(result["machine"]["cpu"]) in bench.report(result).splitlines()[1]
     # where the warm stochastic rounding's time goes: five parts, each against the round trip
     split = result["split"]
     assert set(split["ms"]) == {"copy", "native", "nearest", "hash", "stochastic"}
