@@ -19,12 +19,13 @@ Bit patterns in and out
     The rounding kernels (:func:`rne_bits`, :func:`sr_bits`) take the int32 view of a float32
     tensor and give the bit patterns of the results; their callers view them as float32 on the
     way in and out (free: no copy). Inductor's CPU code moves a vector between float32 and
-    int32 lanes through memory (a store, a loop over the lanes, a load), so a kernel that loads
-    floats and views them as integers pays that twice a vector: given the bit patterns, round to
-    nearest took 1.19 instead of 1.47 times torch's bf16 round trip on 16M elements and 2.0
-    instead of 2.8 on 1M, stochastic rounding 2.0 instead of 2.26 and 4.1 instead of 4.7 (a
-    2-core AMD EPYC at 2.0 GHz, one thread; ``benchmarks/README.md``). :func:`rne_fp32` and
-    :func:`sr_fp32` are the same functions on float32 tensors.
+    int32 lanes through memory (a store, a loop over the lanes, a load; for AVX2 and AVX-512
+    alike), so a kernel that loads floats and views them as integers pays that twice a vector:
+    given the bit patterns, compiled round to nearest took 1.19 instead of 1.46 times torch's
+    bf16 round trip on 16M elements, stochastic rounding 1.99 instead of 2.21 (a 2-core AMD
+    EPYC at 2.0 GHz, one thread: ``benchmarks/cpu-2026-12-02-zen1-*``). Round to nearest is
+    left with no such loop, stochastic rounding with one (its scaling factor).
+    :func:`rne_fp32` and :func:`sr_fp32` are the same functions on float32 tensors.
 
 Round to nearest (``rne_bits``)
     Write a non-negative float32 ``a`` as ``S * 2**(E' - 150)`` with ``E' = max(exponent field, 1)``

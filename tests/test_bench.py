@@ -643,7 +643,10 @@ def test_cpu_identity_reads_the_first_processor(tmp_path, monkeypatch):
                     "model name\t: AMD EPYC\nstepping\t: 2\ncpu MHz\t\t: 1996.248\ncache size\t: 512 KB\n\n"
                     "processor\t: 1\ncpu MHz\t\t: 3000.000\n")
     real_open = open
-    monkeypatch.setattr("builtins.open", lambda path, *a, **k: real_open(info if path == "/proc/cpuinfo" else path, *a, **k))
+
+    def open_here(path, *args, **kwargs):
+        return real_open(info if path == "/proc/cpuinfo" else path, *args, **kwargs)
+    monkeypatch.setattr("builtins.open", open_here)
     identity = bench.cpu_identity()
     assert identity == {"vendor": "AuthenticAMD", "family": 23, "model": 1, "stepping": 2, "mhz": 1996.248,
                         "cache": "512 KB"}
