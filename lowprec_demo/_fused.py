@@ -69,14 +69,16 @@ When is the compiled version used?
     ``LOWPREC_FUSED`` (environment) or :func:`set_mode`: ``"off"`` never, ``"on"`` for every
     tensor of 2 or more elements, ``"auto"`` (default) once a kernel's eager work, this call
     included, reaches :data:`EAGER_BUDGET` elements (a single call that large compiles at
-    once). Compiling costs 6-13 s once per process on a CPU (the lower figure once inductor's
-    disk cache is warm), and the eager functions, run in slices of :data:`EAGER_CHUNK`
-    elements, cost about 10 (round to nearest) to 20 (stochastic rounding) ns an element more
-    than the compiled ones here (the benchmark's cold-path table), so compiling pays after 2**28 to
-    2**30 elements; the budget leans toward compiling early: a chapter that rounds a few
-    tensors never waits for it, a GPT-2 step compiles at once. If compiling fails (no C++ compiler, an unsupported platform), the same functions
-    run eagerly from then on and :func:`status` says why; it also counts the calls that ran
-    each way.
+    once). Compiling every kernel costs 6-13 s once per process on the CPUs of the stored
+    benchmarks (the lower figure once inductor's disk cache is warm), and up to 90 s on the
+    slowest of them with that cache empty (14 s with it full). The eager functions, run in
+    slices of :data:`EAGER_CHUNK` elements, cost about 10 (round to nearest) to 20
+    (stochastic rounding) ns an element more than the compiled ones on the faster CPUs, 17
+    and 34 on the slowest (the benchmark's cold-path table), so compiling pays
+    after about 2**28 to 2**31 elements; the budget leans toward compiling early: a chapter that
+    rounds a few tensors never waits for it, a GPT-2 step compiles at once. If compiling
+    fails (no C++ compiler, an unsupported platform), the same functions run eagerly from
+    then on and :func:`status` says why; it also counts the calls that ran each way.
 
 Example:
     >>> import torch
@@ -329,7 +331,7 @@ def sr_bits(bits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     32-bit numbers ``r < P * 2**(32 - j)``, with ``P = 2**j`` (a position rounded up to the
     whole gap) always moving. (:func:`sr_fp32` is the same on float32 tensors.)"""
     man_bits, emin_b, k, max_bits, over_bits, tiny_bits, s1, s2, first = (p[i] for i in range(9))
-    u = bits & _k(0x7FFFFFFF, bits)            # (a NaN goes through the arithmetic and is replaced)
+    u = bits & _k(0x7FFFFFFF, bits)         # (a NaN goes through the arithmetic and is replaced)
     top, s, d = _decompose(u, man_bits, emin_b)
     dd = torch.clamp(d, max=25)
     down = (s >> dd) << dd                  # S rounded down to the grid

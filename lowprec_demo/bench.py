@@ -60,7 +60,7 @@ from .optimizer import LowPrecisionOptimizer
 from .prediction import FreezeObserver, FreezePredictor
 from .watch import watch
 from .rounding import quantize
-from .results import atomic_write_json, provenance
+from .results import atomic_write_json, cpuinfo, provenance
 from .training import lowprec_named_params, make_optimizer, variant_wrapper
 
 __all__ = ["run", "main", "summary", "report", "build_model", "bench_first_call", "bench_split", "cpu_identity",
@@ -179,32 +179,28 @@ VECTOR_FLAGS = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl
 
 
 #: the /proc/cpuinfo fields that tell one processor of the same model name from another (virtual
-#: machines often report only "AMD EPYC" or "Intel(R) Xeon(R) Processor")
-CPU_FIELDS = {"vendor_id": "vendor", "cpu family": "family", "model": "model", "stepping": "stepping",
-              "cpu MHz": "mhz", "cache size": "cache"}
+#: machines often report only "AMD EPYC" or "Intel(R) Xeon(R) Processor"): the name each takes and
+#: how its value is read
+CPU_FIELDS = {"vendor_id": ("vendor", str), "cpu family": ("family", int), "model": ("model", int),
+              "stepping": ("stepping", int), "cpu MHz": ("mhz", float), "cache size": ("cache", str)}
 
 
 def cpu_identity() -> dict:
     """Which processor this is beyond its model name: vendor, family, model and stepping, clock
     (MHz, as the kernel reports it) and the cache size ``/proc/cpuinfo`` gives for its first
-    processor (empty where there is no such file). Two virtual machines that both say
+    processor (:func:`lowprec_demo.results.cpuinfo`; empty where there is no such file; a value
+    that does not read as its type is kept as written). Two virtual machines that both say
     "AMD EPYC" can be different generations at different clocks.
 
     Example: ``cpu_identity()`` -> ``{"vendor": "AuthenticAMD", "family": 23, "model": 1, ...}``."""
     found = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if not line.strip():
-                    break               # the first processor only
-                key, _, value = line.partition(":")
-                name = CPU_FIELDS.get(key.strip())
-                if name is not None:
-                    value = value.strip()
-                    found[name] = (float(value) if name == "mhz" else int(value)
-                                   if name in ("family", "model", "stepping") and value.isdigit() else value)
-    except OSError:
-        pass
+    for key, value in cpuinfo().items():
+        if key in CPU_FIELDS:
+            name, read = CPU_FIELDS[key]
+            try:
+                found[name] = read(value)
+            except ValueError:
+                found[name] = value
     return found
 
 
@@ -220,19 +216,13 @@ def cpu_label(identity: dict) -> str:
 
 def cpu_vector_extensions() -> dict:
     """The CPU's vector extensions: the flags of :data:`VECTOR_FLAGS` its ``/proc/cpuinfo``
-    lists (empty where there is no such file) and the widest instruction set torch's own CPU
-    kernels use (``torch.backends.cpu.get_cpu_capability()``, e.g. ``"AVX2"``).
+    lists for the first processor (x86 "flags", Arm "Features"; empty where there is no such
+    file) and the widest instruction set torch's own CPU kernels use
+    (``torch.backends.cpu.get_cpu_capability()``, e.g. ``"AVX2"``).
 
     Example: ``cpu_vector_extensions()["torch_capability"]`` -> ``"AVX2"``."""
-    flags = set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    flags.update(line.split(":", 1)[1].split())
-                    break
-    except OSError:
-        pass
+    fields = cpuinfo()
+    flags = set((fields.get("flags") or fields.get("Features") or "").split())
     try:
         capability = torch.backends.cpu.get_cpu_capability()
     except Exception:   # older torch
@@ -336,7 +326,8 @@ def bench_split(n: int, device: str, repeats: int) -> dict:
     bf16, each compiled once and timed in the same rounds: a plain copy (one read and one
     write, the floor of any rounding), torch's bf16 round trip, round to nearest (the same
     passes over memory, no hash), the hash alone (its bits written as an int32 tensor) and
-    stochastic rounding, the kernels as the package runs them (on the bit patterns); with the vector width inductor picked and the CPU's vector extensions.
+    stochastic rounding, the kernels as the package runs them (on the bit patterns); with the
+    vector width inductor picked and the CPU's vector extensions.
     On a CPU whose round trip is one instruction each way (``avx512_bf16``) the ratio to the
     round trip is larger for the same kernel."""
     torch.manual_seed(0)

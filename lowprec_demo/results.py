@@ -41,7 +41,7 @@ from .runtime import default_file_mode
 from .version import __version__
 
 __all__ = ["RunRecord", "TrainResult", "evidence_table", "atomic_write_json", "git_commit", "provenance",
-           "results_dir", "load_result", "stored_results", "describe"]
+           "cpuinfo", "results_dir", "load_result", "stored_results", "describe"]
 
 
 @dataclass
@@ -317,16 +317,25 @@ def git_commit() -> Optional[str]:
     return os.environ.get("LOWPREC_GIT_COMMIT") or None
 
 
-def _cpu_model() -> str:
-    """The CPU's model name (from /proc/cpuinfo where there is one), else what platform says."""
+def cpuinfo() -> Dict[str, str]:
+    """The fields ``/proc/cpuinfo`` gives for the first processor, as strings (empty where there
+    is no such file). Example: ``cpuinfo()["model name"]`` -> ``"AMD EPYC"``."""
+    fields: Dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                if not line.strip():
+                    break               # the first processor only
+                key, _, value = line.partition(":")
+                fields[key.strip()] = value.strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine() or "cpu"
+    return fields
+
+
+def _cpu_model() -> str:
+    """The CPU's model name (from /proc/cpuinfo where there is one), else what platform says."""
+    return cpuinfo().get("model name") or platform.processor() or platform.machine() or "cpu"
 
 
 def provenance(device: str) -> dict:

@@ -636,12 +636,14 @@ def test_modes():
 # the benchmark
 # ------------------------------------------------------------------------------------------------
 def test_cpu_identity_reads_the_first_processor(tmp_path, monkeypatch):
-    """Family, model, stepping, clock and cache of the first processor in /proc/cpuinfo, and the
-    few words the tables show; nothing (and no error) where there is no such file."""
+    """Family, model, stepping, clock, cache and vector extensions of the first processor in
+    /proc/cpuinfo, its model name in the provenance, and the few words the tables show; nothing
+    (and no error) where there is no such file."""
     info = tmp_path / "cpuinfo"
     info.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 23\nmodel\t\t: 1\n"
-                    "model name\t: AMD EPYC\nstepping\t: 2\ncpu MHz\t\t: 1996.248\ncache size\t: 512 KB\n\n"
-                    "processor\t: 1\ncpu MHz\t\t: 3000.000\n")
+                    "model name\t: AMD EPYC\nstepping\t: 2\ncpu MHz\t\t: 1996.248\ncache size\t: 512 KB\n"
+                    "flags\t\t: fpu sse4_2 avx avx2 fma\n\n"
+                    "processor\t: 1\ncpu MHz\t\t: 3000.000\nflags\t\t: avx512f\n")
     real_open = open
 
     def open_here(path, *args, **kwargs):
@@ -651,8 +653,15 @@ def test_cpu_identity_reads_the_first_processor(tmp_path, monkeypatch):
     assert identity == {"vendor": "AuthenticAMD", "family": 23, "model": 1, "stepping": 2, "mhz": 1996.248,
                         "cache": "512 KB"}
     assert bench.cpu_label(identity) == "family 23 model 1 stepping 2, 1996 MHz, cache 512 KB"
+    assert bench.cpu_vector_extensions()["flags"] == ["sse4_2", "avx", "avx2", "fma"]
+    from lowprec_demo.results import provenance
+    assert provenance("cpu")["device_name"] == "AMD EPYC"
+    info.write_text("processor\t: 0\ncpu family\t: unknown\nstepping\t: 2\nFeatures\t: fp asimd sve\n")
+    assert bench.cpu_identity() == {"family": "unknown", "stepping": 2}          # kept as written
+    assert bench.cpu_vector_extensions()["flags"] == ["asimd", "sve"]           # Arm's name for the flags
     info.unlink()
     assert bench.cpu_identity() == {} and bench.cpu_label({}) == ""
+    assert bench.cpu_vector_extensions()["flags"] == []
 
 
 def test_the_split_times_the_kernels_own_hash():
