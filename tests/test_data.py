@@ -352,6 +352,39 @@ def test_data_dir_with_one_data_file_does_not_warn(monkeypatch, tmp_path):
         assert data.data_dir() == tmp_path
 
 
+def test_cached_loader_follows_the_environment_and_warns_every_time(monkeypatch, tmp_path, isolated_environment):
+    """A cached loader reads once per data environment: a new cache folder or data folder is a
+    new entry (so a run never gets the data another environment chose), and the fallback's
+    warning comes with every call, not only with the first in the process."""
+    calls = []
+
+    @data.cached_per_data_environment()
+    def corpus(kind="text"):
+        calls.append(kind)
+        return load_shakespeare()
+
+    for _ in range(3):
+        with pytest.warns(DataFallbackWarning, match="Tiny Shakespeare is unavailable"):
+            assert corpus().fallback
+    assert calls == ["text"]
+    assert corpus.cache_info().hits == 2
+    if SHARED_SHAKESPEARE.is_file():
+        cache = tmp_path / "other-cache"
+        cache.mkdir()
+        shutil.copy(SHARED_SHAKESPEARE, cache / "tinyshakespeare.txt")
+        monkeypatch.setenv("LOWPREC_CACHE_DIR", str(cache))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")   # the real text: no warning at all
+            assert not corpus().fallback
+        assert calls == ["text", "text"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        corpus(kind="other")          # other arguments: another entry
+    assert calls[-1] == "other"
+    corpus.cache_clear()
+    assert corpus.cache_info().currsize == 0
+
+
 # ---- how DataFallbackWarning is printed ---------------------------------------------------------
 
 

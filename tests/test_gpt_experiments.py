@@ -127,11 +127,19 @@ def test_stored_results_load_when_present(tmp_path, monkeypatch):
 
 
 def test_offline_without_shakespeare_falls_back_and_says_so(monkeypatch):
+    """Every run on the fallback corpus warns and says so, however many runs loaded it before in
+    this process (the corpus is read once and cached; the warning is given on every call)."""
     monkeypatch.delenv("LOWPREC_DATA_DIR", raising=False)
     monkeypatch.setenv("LOWPREC_CACHE_DIR", "/nonexistent-lowprec-cache")
-    with pytest.warns(lp.data.DataFallbackWarning):
-        r = lp.run_experiment("nanogpt", steps=3, progress=False, variants=("reference",), **TINY_NANOGPT)
-    assert "fallback corpus" in r.description
+    for _ in range(2):
+        with pytest.warns(lp.data.DataFallbackWarning, match="Tiny Shakespeare is unavailable"):
+            r = lp.run_experiment("nanogpt", steps=3, progress=False, variants=("reference",), **TINY_NANOGPT)
+        assert "fallback corpus" in r.description
+    for _ in range(2):
+        with pytest.warns(lp.data.DataFallbackWarning, match="Tiny Shakespeare is unavailable"):
+            tokens, vocab, how = lp.experiments.gpt2.text_tokens()
+        assert "fallback corpus" in how
+    assert lp.experiments.nanogpt._char_tokens.cache_info().hits >= 1   # read once, from the cache after
 
 
 @pytest.mark.parametrize("value, has_bias", [(False, False), ("false", False), ("true", True)])

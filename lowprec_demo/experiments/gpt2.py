@@ -25,14 +25,12 @@ products on a GPU: faster, and the stored weights are unchanged; recorded in the
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Optional
 
 import torch
 
-from ..data import gpt2_tokens, load_shakespeare
+from ..data import cached_per_data_environment, gpt2_tokens, load_shakespeare
 from ..models import gpt_config
 from ..prediction import FreezeRecord
 from ..config import TrainConfig
@@ -66,8 +64,8 @@ class GPT2Options(LanguageModelOptions):
     tf32: bool = False
 
 
-@lru_cache(maxsize=4)
-def _text_tokens(data_dir: str, offline: str):
+@cached_per_data_environment()
+def _text_tokens():
     corpus = load_shakespeare()
     tokens, vocab_size, how = gpt2_tokens(corpus.text)
     return tokens, vocab_size, f"{how}; text: {corpus.source}"
@@ -75,10 +73,11 @@ def _text_tokens(data_dir: str, offline: str):
 
 def text_tokens():
     """Tiny Shakespeare (or the offline stand-in) as GPT-2 BPE tokens, or bytes when the BPE
-    cannot be loaded: ``(tokens, vocab_size, description)``, cached per data folder.
+    cannot be loaded: ``(tokens, vocab_size, description)``, cached per data environment (a
+    fallback corpus warns on every call).
 
     Example: ``tokens, vocab, how = text_tokens(); print(how)``."""
-    return _text_tokens(os.environ.get("LOWPREC_DATA_DIR", ""), os.environ.get("LOWPREC_OFFLINE", ""))
+    return _text_tokens()
 
 
 def layer_of(name: str) -> str:

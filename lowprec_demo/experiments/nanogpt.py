@@ -18,14 +18,12 @@ Options (:class:`NanoGPTOptions`): ``model`` (a name in :data:`lowprec_demo.mode
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Optional
 
 import torch
 
-from ..data import CharTokenizer, load_shakespeare
+from ..data import CharTokenizer, cached_per_data_environment, load_shakespeare
 from ..models import gpt_config
 from ..config import TrainConfig
 from ..training import Task
@@ -56,8 +54,8 @@ class NanoGPTOptions(LanguageModelOptions):
     bias: Optional[bool] = None
 
 
-@lru_cache(maxsize=4)
-def _char_tokens(data_dir: str, offline: str):
+@cached_per_data_environment()
+def _char_tokens():
     corpus = load_shakespeare()
     tokenizer = CharTokenizer(corpus.text)
     tokens = torch.tensor(tokenizer.encode(corpus.text), dtype=torch.long)
@@ -66,10 +64,11 @@ def _char_tokens(data_dir: str, offline: str):
 
 def char_tokens():
     """Tiny Shakespeare (or the offline stand-in) as character tokens: ``(tokens, tokenizer,
-    source)``. Cached per data folder, so a notebook that builds many runs reads the file once.
+    source)``. Cached per data environment (folder, cache, offline), so a notebook that builds many
+    runs reads the file once; a fallback corpus warns on every call.
 
     Example: ``tokens, tok, source = char_tokens(); tok.vocab_size`` -> 65."""
-    return _char_tokens(os.environ.get("LOWPREC_DATA_DIR", ""), os.environ.get("LOWPREC_OFFLINE", ""))
+    return _char_tokens()
 
 
 def _defaults(scale: str) -> dict:

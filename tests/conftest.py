@@ -1,0 +1,63 @@
+"""What every test may rely on, whatever ran before it in its process.
+
+A test that changes process-wide state (torch's thread count, default dtype, deterministic flag,
+grad mode, the kernels' compile mode, an environment variable the package reads) must put it back
+itself, with a fixture or ``monkeypatch``. The autouse guard below checks that after every test
+and fails the test that left something changed (then restores it, so that one leak is reported
+once, not by every test after it). pytest itself restores the warning filters after every test,
+and a module's import may add one for good, so they are not checked. So the suite passes in any
+order (``pytest -p randomly``) and on any number of workers.
+
+The package's caches of loaded data (the corpora behind the GPT experiments, MNIST) key on the
+environment that chose the data (``lowprec_demo.data.cached_per_data_environment``) and give their
+warnings on every call, so what a test sees does not depend on what loaded them first.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from lowprec_demo import _fused
+
+# variables whose value changes what the package loads or computes
+WATCHED_ENV_PREFIXES = ("LOWPREC_", "OMP_", "MKL_")
+
+
+def _snapshot() -> dict:
+    return {
+        "torch threads": torch.get_num_threads(),
+        "torch default dtype": torch.get_default_dtype(),
+        "torch deterministic algorithms": torch.are_deterministic_algorithms_enabled(),
+        "torch grad mode": torch.is_grad_enabled(),
+        "kernel compile mode": _fused.get_mode(),
+        "environment": {k: v for k, v in os.environ.items() if k.startswith(WATCHED_ENV_PREFIXES)},
+    }
+
+
+def _restore(before: dict) -> None:
+    torch.set_num_threads(before["torch threads"])
+    torch.set_default_dtype(before["torch default dtype"])
+    torch.use_deterministic_algorithms(before["torch deterministic algorithms"])
+    torch.set_grad_enabled(before["torch grad mode"])
+    _fused.set_mode(before["kernel compile mode"])
+    for key in [k for k in os.environ if k.startswith(WATCHED_ENV_PREFIXES)]:
+        if key not in before["environment"]:
+            del os.environ[key]
+    os.environ.update(before["environment"])
+
+
+@pytest.fixture(autouse=True)
+def process_state_is_left_as_found(request):
+    """Fail a test that leaves process-wide state changed (module-scoped fixtures that set it for
+    their module, such as the one-thread fixtures, are set before and undone after this check)."""
+    before = _snapshot()
+    yield
+    after = _snapshot()
+    changed = [key for key in before if before[key] != after[key]]
+    if changed:
+        _restore(before)
+        details = "; ".join(f"{key}: {before[key]!r} -> {after[key]!r}" for key in changed)
+        pytest.fail(f"{request.node.nodeid} left process-wide state changed: {details}", pytrace=False)
