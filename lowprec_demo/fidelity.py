@@ -6,9 +6,21 @@ parameter's dtype. Each CPU kernel widens its inputs to float32, computes in flo
 the result to the parameter's dtype; a Python scalar enters the kernel as a float32 number,
 except ``alpha`` of ``add``/``sub`` and a scalar added with ``add``, which are rounded to the
 tensor's dtype first. So one bf16 SGD step is ``q(fl32(w + q(-lr) g))``, not ``q(w - lr g)``:
-``lr`` itself is rounded to 8 significant bits. The functions below replay those steps on
-float64 tensors holding the stored values, with :func:`lowprec_demo.quantize` for every rounding;
-``tests/test_fidelity.py`` checks that they reproduce torch's bits for many steps.
+``lr`` itself is rounded to 8 significant bits.
+
+Not every element goes through the same code. A CPU kernel walks its tensor in vectors of
+:func:`vector_width` elements (32 for a 16-bit type with AVX-512, 16 with AVX2) and finishes the
+last ``share % width`` elements of each thread's share one by one. That scalar loop computes
+``add(a, b, alpha)`` as ``q(fl32(a + q(q(alpha) b)))``: the product is rounded to the tensor's
+dtype before the sum, so the result can differ from the vector loop's by a gap (bf16 SGD at lr
+1e-3 on 64,000 spread weights, every one through the scalar loop: 368 differ at the first step).
+Which elements take it depends on the tensor's size and on the number of intra-op threads
+(:func:`scalar_path`): a tensor below :data:`GRAIN_SIZE` elements runs on one thread, a larger one
+is cut into one share per thread. AdamW's kernels (``mul``, ``lerp``, ``addcmul``, ``addcdiv``,
+``sqrt``, ``div``, ``add`` of a scalar) give the same bits on both loops. The functions below
+replay those steps on float64 tensors holding the stored values, with
+:func:`lowprec_demo.quantize` for every rounding; ``tests/test_fidelity.py`` checks that they
+reproduce torch's bits for many steps, at one, two and three threads.
 
 Example:
     >>> w, g = torch.tensor([1.0], dtype=torch.float64), torch.tensor([1.0], dtype=torch.float64)
@@ -18,14 +30,17 @@ Example:
 
 from __future__ import annotations
 
-from typing import Tuple, Union
+import functools
+import math
+from typing import Optional, Tuple, Union
 
 import torch
 
 from .formats import FloatFormat
 from .rounding import quantize
 
-__all__ = ["sgd_step", "adamw_step", "NoisyQuadratic", "real_and_simulated"]
+__all__ = ["sgd_step", "adamw_step", "GRAIN_SIZE", "vector_width", "scalar_path", "NoisyQuadratic",
+           "real_and_simulated"]
 
 Format = Union[str, FloatFormat]
 
@@ -45,40 +60,105 @@ def _scalar(value: float, fmt: Format) -> float:
     return quantize(torch.tensor([value], dtype=torch.float64), fmt).item()
 
 
+# at::internal::GRAIN_SIZE: a CPU kernel over fewer elements runs on one thread; over more, on
+# min(threads, ceil(numel / GRAIN_SIZE)) equal shares (at::parallel_for)
+GRAIN_SIZE = 32768
+
+
+@functools.lru_cache(maxsize=None)
+def vector_width() -> int:
+    """How many 16-bit floats torch's CPU kernels take per vector on this machine
+    (``Vectorized<BFloat16>::size()``), measured: the smallest bf16 tensor whose ``add_`` goes
+    through the vector loop. The probe is an element where the two loops differ: 0.5390625 plus
+    -1e-3 times 1.9609375 is 0.53515625 on the vector loop and 0.5390625 on the scalar one (the
+    product, rounded to bf16 first, puts the sum on a midpoint, and the tie goes to even).
+
+    Example:
+        >>> vector_width() in (8, 16, 32, 64)
+        True
+    """
+    for n in range(1, 257):
+        w = torch.full((n,), 0.5390625, dtype=torch.bfloat16)
+        w.add_(torch.full((n,), 1.9609375, dtype=torch.bfloat16), alpha=-1e-3)
+        if w[0].item() != 0.5390625:
+            return n
+    raise RuntimeError("torch's CPU add_ took the scalar loop at every size up to 256: no vector width found")
+
+
+def scalar_path(numel: int, threads: Optional[int] = None) -> torch.Tensor:
+    """Which elements of a contiguous tensor of ``numel`` elements torch's CPU kernels compute
+    in their scalar loop, as a bool tensor. With ``T = 1`` below :data:`GRAIN_SIZE` elements or
+    at one thread, else ``T = min(threads, ceil(numel / GRAIN_SIZE))``, the tensor is cut into
+    ``T`` shares of ``ceil(numel / T)`` elements, and the last ``share % vector_width()`` of each
+    share go one by one. ``threads``: torch's intra-op threads (default ``torch.get_num_threads()``).
+
+    Example:
+        >>> int(scalar_path(100_000, threads=2).sum())   # two shares of 50,000; AVX-512: 16 + 16
+        32
+    """
+    threads = torch.get_num_threads() if threads is None else int(threads)
+    if threads < 1:
+        raise ValueError(f"threads must be 1 or more; got {threads}")
+    mask = torch.zeros(numel, dtype=torch.bool)
+    if numel == 0:
+        return mask
+    tasks = 1 if numel < GRAIN_SIZE or threads == 1 else min(threads, math.ceil(numel / GRAIN_SIZE))
+    share, width = math.ceil(numel / tasks), vector_width()
+    for begin in range(0, numel, share):
+        end = min(numel, begin + share)
+        mask[end - (end - begin) % width:end] = True
+    return mask
+
+
+def _add(a: torch.Tensor, b: torch.Tensor, alpha: float, fmt: Format, scalar: torch.Tensor) -> torch.Tensor:
+    """``a.add(b, alpha=alpha)`` on tensors of dtype ``fmt``: ``q(fl32(a + q(alpha) b))`` on the
+    vector loop, ``q(fl32(a + q(q(alpha) b)))`` on the elements of the scalar loop (``scalar``)."""
+    rounded_alpha = _scalar(alpha, fmt)
+    vector = _stored(a + rounded_alpha * b, fmt)
+    if not bool(scalar.any()):
+        return vector
+    one_by_one = _stored(a + quantize(_fl32(rounded_alpha * b), fmt), fmt)
+    return torch.where(scalar.reshape(a.shape), one_by_one, vector)
+
+
 def sgd_step(param: torch.Tensor, grad: torch.Tensor, state: dict, *, lr: float,
              momentum: float = 0.0, dampening: float = 0.0, weight_decay: float = 0.0,
-             nesterov: bool = False, fmt: Format = "bf16") -> torch.Tensor:
+             nesterov: bool = False, fmt: Format = "bf16", threads: Optional[int] = None) -> torch.Tensor:
     """One ``torch.optim.SGD`` step on a CPU parameter of dtype ``fmt``, replayed exactly.
 
     ``param`` and ``grad`` are float64 tensors holding ``fmt`` values; ``state`` holds the
     ``"momentum_buffer"`` between calls. With ``q`` the rounding to ``fmt`` and ``fl32`` to
     float32: ``g = q(fl32(g + q(wd) w))``; ``b = g`` at the first step, then
     ``b = q(fl32(q(fl32(b fl32(mu))) + q(1 - dampening) g))``; Nesterov ``g = q(fl32(g + q(mu) b))``
-    else ``g = b``; ``w = q(fl32(w + q(-lr) g))``. Returns the new ``param``.
+    else ``g = b``; ``w = q(fl32(w + q(-lr) g))``. On the elements of :func:`scalar_path` (for
+    ``threads``, default torch's current count) each of these additions rounds its product
+    first: ``w = q(fl32(w + q(q(-lr) g)))``. Returns the new ``param``.
 
     Example:
         >>> sgd_step(torch.ones(1, dtype=torch.float64), torch.ones(1, dtype=torch.float64), {}, lr=1e-3).item()
         1.0
     """
+    scalar = scalar_path(param.numel(), threads)
     if weight_decay != 0:
-        grad = _stored(grad + _scalar(weight_decay, fmt) * param, fmt)
+        grad = _add(grad, param, weight_decay, fmt, scalar)
     if momentum != 0:
         buf = state.get("momentum_buffer")
         if buf is None:
             buf = grad.clone()
         else:
             buf = _stored(buf * _scalar(momentum, "fp32"), fmt)
-            buf = _stored(buf + _scalar(1 - dampening, fmt) * grad, fmt)
+            buf = _add(buf, grad, 1 - dampening, fmt, scalar)
         state["momentum_buffer"] = buf
-        grad = _stored(grad + _scalar(momentum, fmt) * buf, fmt) if nesterov else buf
-    return _stored(param + _scalar(-lr, fmt) * grad, fmt)
+        grad = _add(grad, buf, momentum, fmt, scalar) if nesterov else buf
+    return _add(param, grad, -lr, fmt, scalar)
 
 
 def adamw_step(param: torch.Tensor, grad: torch.Tensor, state: dict, *, lr: float,
                betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                weight_decay: float = 1e-2, fmt: Format = "bf16") -> torch.Tensor:
     """One ``torch.optim.AdamW`` step on a CPU parameter of dtype ``fmt`` (its moments are then
-    of that dtype too), replayed exactly. ``state`` holds ``"step"``, ``"exp_avg"`` and
+    of that dtype too), replayed exactly, at any number of threads (its kernels give the same
+    bits on their vector and scalar loops). ``state`` holds ``"step"``, ``"exp_avg"`` and
     ``"exp_avg_sq"`` between calls; returns the new ``param``.
 
     The step, with ``q`` the rounding to ``fmt``, ``fl32`` to float32 and the bias corrections

@@ -22,7 +22,7 @@ import torch
 
 import lowprec_demo as lp
 from lowprec_demo import LowPrecisionOptimizer, move_probability, quantize
-from lowprec_demo.fidelity import NoisyQuadratic, adamw_step, sgd_step
+from lowprec_demo.fidelity import GRAIN_SIZE, NoisyQuadratic, adamw_step, scalar_path, sgd_step, vector_width
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 INT_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16}
@@ -61,6 +61,17 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> int:
 Quadratic = NoisyQuadratic   # the problem of lowprec_demo.fidelity.real_and_simulated
 
 
+@pytest.fixture
+def threads(request):
+    """torch's intra-op threads for one test (``request.param``), put back afterwards: where an
+    element goes through a CPU kernel's vector or scalar loop depends on it (see
+    :func:`lowprec_demo.fidelity.scalar_path`)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 # ------------------------------------------------------------------------------------------------
 # 1. torch's own bf16/fp16 arithmetic
 # ------------------------------------------------------------------------------------------------
@@ -78,11 +89,46 @@ def test_cpu_optimizers_take_the_for_loop_path():
     assert _default_to_fused_or_foreach([p], differentiable=False) == (False, False)
 
 
+def test_vector_width_is_the_first_size_with_a_vector_loop():
+    width = vector_width()
+    assert width in (8, 16, 32, 64)
+    expected = {"AVX512": 32, "AVX2": 16}.get(torch.backends.cpu.get_cpu_capability())
+    assert expected is None or width == expected
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3], indirect=True)
+@pytest.mark.parametrize("fmt", ["bf16", "fp16"])
+@pytest.mark.parametrize("numel", [1, 31, 1000, 1003, GRAIN_SIZE, GRAIN_SIZE + 1, 50_000, 100_003])
+def test_the_scalar_loop_is_where_scalar_path_says(threads, fmt, numel):
+    """``a.add_(b, alpha)``: elements whose vector-loop and scalar-loop results differ, repeated
+    to fill the tensor, land on the scalar loop's value exactly where ``scalar_path`` says, for
+    one share or several, at every thread count."""
+    dtype = DTYPES[fmt]
+    a0, b0 = spread_weights(64_000, dtype).double(), spread_grads(64_000, 0, dtype).double()
+    alpha = _scalar_alpha = -1e-3
+    rounded = quantize(torch.tensor([alpha], dtype=torch.float64), fmt).item()
+    vector = quantize(quantize(a0 + rounded * b0, "fp32"), fmt)
+    one_by_one = quantize(quantize(a0 + quantize(rounded * b0, fmt), "fp32"), fmt)
+    pick = (vector != one_by_one).nonzero().flatten()
+    assert len(pick) > 100               # the two loops really differ on these
+    index = torch.arange(numel) % len(pick)
+    a, b = a0[pick][index].to(dtype), b0[pick][index].to(dtype)
+    a.add_(b, alpha=_scalar_alpha)
+    mask = scalar_path(numel)
+    expected = torch.where(mask, one_by_one[pick][index], vector[pick][index]).to(dtype)
+    assert same_bits(a, expected) == 0
+    shares = 1 if numel < GRAIN_SIZE or threads == 1 else min(threads, -(-numel // GRAIN_SIZE))
+    share = -(-numel // shares)
+    assert int(mask.sum()) == sum((min(numel, s + share) - s) % vector_width() for s in range(0, numel, share))
+
+
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
 @pytest.mark.parametrize("fmt", ["bf16", "fp16"])
 @pytest.mark.parametrize("name,settings", [("sgd", s) for s in SGD_SETTINGS] + [("adamw", s) for s in ADAMW_SETTINGS])
-def test_replay_equals_torch_bit_for_bit(fmt, name, settings):
-    """100,000 weights (half of them at or next to powers of two), 25 steps, every bit."""
-    n, dtype = 100_000, DTYPES[fmt]
+def test_replay_equals_torch_bit_for_bit(fmt, name, settings, threads):
+    """100,003 weights (half of them at or next to powers of two), 25 steps, every bit, on one
+    thread and on two (where the kernels' scalar loops take other elements)."""
+    n, dtype = 100_003, DTYPES[fmt]
     param = torch.nn.Parameter(spread_weights(n, dtype))
     opt = (torch.optim.SGD if name == "sgd" else torch.optim.AdamW)([param], **settings)
     replay, state = param.detach().double().clone(), {}
@@ -103,6 +149,35 @@ def test_replay_equals_torch_bit_for_bit(fmt, name, settings):
             assert same_bits(torch_state[key], state[key].to(dtype)) == 0, key
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "fp16"])
+@pytest.mark.parametrize("name,settings", [("sgd", s) for s in SGD_SETTINGS] + [("adamw", s) for s in ADAMW_SETTINGS])
+def test_replay_on_tensors_smaller_than_a_vector(fmt, name, settings):
+    """160 tensors of 16 elements (under the vector width: every element takes the kernels'
+    scalar loop), 6 steps: the replay gives torch's bits. SGD's scalar loop rounds ``lr g``
+    first, so the same weights in one large tensor end elsewhere; AdamW's do not."""
+    chunks, size, dtype = 160, 16, DTYPES[fmt]
+    assert size < vector_width()
+    w = spread_weights(chunks * size, dtype)
+    small = [torch.nn.Parameter(c.clone()) for c in w.split(size)]
+    large = torch.nn.Parameter(w.clone())
+    make = torch.optim.SGD if name == "sgd" else torch.optim.AdamW
+    opt_small, opt_large = make(small, **settings), make([large], **settings)
+    step = sgd_step if name == "sgd" else adamw_step
+    replays, states = [p.detach().double().clone() for p in small], [{} for _ in small]
+    for t in range(6):
+        grad = spread_grads(chunks * size, t, dtype)
+        for p, g in zip(small, grad.split(size)):
+            p.grad = g.clone()
+        large.grad = grad.clone()
+        opt_small.step()
+        opt_large.step()
+        replays = [step(r, g.double(), st, fmt=fmt, **settings) for r, g, st in zip(replays, grad.split(size), states)]
+    got = torch.cat([p.detach() for p in small])
+    assert same_bits(got, torch.cat(replays).to(dtype)) == 0
+    differ = same_bits(got, large.detach())
+    assert (differ > 0) if name == "sgd" else (differ == 0)
+
+
 def test_fp16_adamw_loses_eps():
     # torch adds eps to a float16 tensor as a float16 scalar: 1e-8 becomes 0, so an element
     # whose exp_avg_sq underflows to 0 divides by 0 (the replay gives the same NaNs and infs)
@@ -114,10 +189,17 @@ def test_fp16_adamw_loses_eps():
     assert param.detach().isfinite().tolist() == [True, True, False, False]
 
 
-def test_bf16_sgd_is_the_simulation_at_lr_rounded_to_bf16():
-    """Plain SGD on bf16 parameters is the simulation run at ``lr`` rounded to bf16, bit for bit;
-    at the float32 ``lr`` the simulation differs on a small share of elements."""
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+def test_bf16_sgd_is_the_simulation_at_lr_rounded_to_bf16(threads):
+    """Plain SGD on bf16 parameters is the simulation run at ``lr`` rounded to bf16, bit for bit,
+    on every element that torch's kernels compute in their vector loop; at the float32 ``lr``
+    the simulation differs on a small share of elements. On one thread every element of these
+    100,000 takes the vector loop (100,000 is a multiple of the vector width); on two, the last
+    elements of each thread's half take the scalar loop, where torch rounds ``lr g`` to bf16
+    before the sum (replayed by ``sgd_step``, checked above), and may differ from the simulation."""
     n, lr = 100_000, 1e-3
+    vector_loop = ~scalar_path(n)
+    assert bool(vector_loop.all()) == (threads == 1)
     lr_bf16 = quantize(torch.tensor([lr], dtype=torch.float64), "bf16").item()
     assert lr_bf16 == 0.00099945068359375   # 1e-3 stored with 8 significant bits
     real = torch.nn.Parameter(spread_weights(n, torch.bfloat16))
@@ -134,9 +216,9 @@ def test_bf16_sgd_is_the_simulation_at_lr_rounded_to_bf16():
         for p, sim in sims.values():
             p.grad = grad.float()
             sim.step()
-        assert torch.equal(sims["lr_bf16"][0].detach(), real.detach().float()), f"step {t}"
+        assert torch.equal(sims["lr_bf16"][0].detach()[vector_loop], real.detach().float()[vector_loop]), f"step {t}"
         if t == 0:
-            differ_first = int((sims["lr"][0].detach() != real.detach().float()).sum())
+            differ_first = int((sims["lr"][0].detach() != real.detach().float())[vector_loop].sum())
     # the first step: 184 of 100,000 elements (0.18 %) differ from round-once q(w - lr g); after
     # 50 steps 3,467 (3.5 %), as the trajectories part
     assert 0.0003 * n < differ_first < 0.003 * n
