@@ -58,7 +58,7 @@ from .formats import FloatFormat, get_format
 from .optimizer import LowPrecisionOptimizer
 from .prediction import FreezeRecord, freeze_step
 from .results import atomic_write_json
-from .rounding import decay_rounds_back, update_ulp_ratio, would_freeze
+from .rounding import decay_rounds_back, move_probability, update_ulp_ratio, would_freeze
 from .runtime import progress_bar
 
 __all__ = ["watch", "FreezeWatch", "Diagnosis", "WatchReport", "load_watch", "DIAGNOSIS_KINDS",
@@ -331,10 +331,14 @@ class FreezeWatch:
             for i, fmt in enumerate(self.formats_given):
                 ratio = update_ulp_ratio(old, update, fmt)   # |d| / gap at q(old), exact: the gap is a power of two
                 frozen = ratio < 0.5                         # the freeze rule; a tie goes to the even neighbour
-                tie = ratio == 0.5
-                if bool(tie.any()):
-                    frozen[tie] = would_freeze(old[tie], update[tie], fmt)
-                columns += [frozen, ratio.clamp(max=1.0)]
+                moves = ratio.clamp(max=1.0)
+                # ties, and weights that may round to +-max or be infinite (where a saturating
+                # format keeps +-max under an outward step), take the rule itself
+                edge = (ratio == 0.5) | ~(old.abs() < fmt.max / 2)
+                if bool(edge.any()):
+                    frozen[edge] = would_freeze(old[edge], update[edge], fmt)
+                    moves[edge] = move_probability(old[edge], update[edge], fmt).to(moves.dtype)
+                columns += [frozen, moves]
                 if i == 0:
                     columns.append(frozen & has_grad)
                 y = torch.log2(ratio.float()) - log_lr       # log2(|d| / (lr gap)); -inf for no step

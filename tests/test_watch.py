@@ -433,3 +433,24 @@ def test_a_sample_of_a_large_tensor_estimates_the_whole():
     assert sampled.record("bf16").by_tensor["bias"] == full.record("bf16").by_tensor["bias"]   # small: in full
     with pytest.raises(ValueError, match="sample"):
         lp.watch(model, opt, sample=0)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "bf16"])
+def test_prediction_at_the_edges_of_the_format_is_the_rule(fmt):
+    """Weights at and near +-max (a saturating E4M3 keeps +-max under an outward step, whatever
+    its size), at powers of two and at ties: the watch's frozen share and move share are
+    ``would_freeze`` and ``move_probability`` of the same weights and updates."""
+    top = lp.get_format(fmt).max
+    w0 = torch.tensor([top, -top, top, top * 0.99, top / 2, 1.0, 1.0, 0.75, 3.0, -2.0], dtype=torch.float32)
+    d = torch.tensor([top / 10, -top / 10, -top / 10, top / 5, top / 100, 2**-9, -2**-9, 2**-6, 1e-3, 0.25])
+    model = torch.nn.Module()
+    model.p = param = torch.nn.Parameter(w0.clone())
+    opt = torch.optim.SGD([param], lr=1.0)
+    w = lp.watch(model, opt, formats=(fmt,))
+    param.grad = -d.clone()
+    opt.step()
+    frozen = lp.would_freeze(w0, param.detach() - w0, fmt)
+    assert bool(frozen[:2].all()) == (fmt == "e4m3")   # saturation: E4M3 only (E5M2 and bf16 overflow to inf)
+    assert w.record(fmt).overall[-1] == pytest.approx(frozen.float().mean().item())
+    moves = lp.move_probability(w0, param.detach() - w0, fmt)
+    assert w.record(fmt).move_fraction[-1] == pytest.approx(moves.mean().item(), rel=1e-6)
