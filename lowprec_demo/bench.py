@@ -625,7 +625,9 @@ def report(result: dict) -> str:
            f"load average at start {m['load_average_start']}, fused kernels: {result['fused']['mode']}, "
            f"lowprec_demo {m.get('package_version')} at commit {m.get('git_commit') or 'unknown'}"]
     comp = result.get("compile")
-    if comp:
+    if comp and "skipped" in comp:
+        out.append(f"\nCompiling the fused kernels: skipped ({comp['skipped']})")
+    elif comp:
         out.append(f"\nCompiling the fused kernels (first call of each, once per process): "
                    f"{comp['total_seconds']:.1f} s in all"
                    + (f"; FAILED, using the eager path: {comp['failed']}" if comp["failed"] else ""))
@@ -831,9 +833,11 @@ def summary(result: dict) -> str:
 # ------------------------------------------------------------------------------------------------
 def run(device: str = "cpu", quick: bool = False, size: Optional[int] = None, repeats: Optional[int] = None,
         models: Optional[List[str]] = None, libraries: bool = True, eager: bool = True,
-        scale_sizes: Optional[List[int]] = None, progress: bool = True, variants=VARIANTS) -> dict:
+        scale_sizes: Optional[List[int]] = None, progress: bool = True, variants=VARIANTS,
+        compile_kernels: bool = True) -> dict:
     """Run the benchmark and return its results (see the module docstring); ``variants``: the
-    training-step variants to time (``plain`` always among them).
+    training-step variants to time (``plain`` always among them); ``compile_kernels=False``
+    leaves the kernels as the current mode has them (a rehearsal in mode "off" compiles nothing).
 
     Example:
         >>> result = run(quick=True, size=1 << 12, models=[], libraries=False, scale_sizes=[])
@@ -847,8 +851,11 @@ def run(device: str = "cpu", quick: bool = False, size: Optional[int] = None, re
     if scale_sizes is None:
         scale_sizes = [1 << 20, 1 << 22, 1 << 24, 1 << 26] if not quick else [1 << 18, 1 << 20, 1 << 22]
     result = {"machine": _machine(device), "command": " ".join(sys.argv), "quick": quick}
-    say("compiling the fused kernels ...")
-    result["compile"] = warm_up(device)
+    if compile_kernels:
+        say("compiling the fused kernels ...")
+        result["compile"] = warm_up(device)
+    else:
+        result["compile"] = {"skipped": f"compile_kernels=False (kernel mode {_fused.get_mode()!r})"}
     say(f"quantize, {size} elements ...")
     result["quantize"] = bench_quantize(size, device, repeats, eager=eager)
     say("where the warm stochastic rounding's time goes ...")

@@ -5,15 +5,17 @@
 1. Bits: the compiled (Triton) kernels on the GPU against the package's eager code on the CPU,
    bit for bit: round to nearest on the exhaustive point sets of bf16, fp16, e4m3, e5m2, e5m3 and
    e2m1 (every policy), stochastic rounding (full resolution and 3 bits) on random inputs, and the
-   freeze statistics. A mismatch is reported, not raised.
+   freeze statistics. A mismatch is reported in the JSON, and the exit status is 1.
 2. Speed: ``python -m lowprec_demo.bench --device cuda --quick`` (quantize of 16M elements against
    the native casts, the nanoGPT and GPT-2 training steps, quantize against size), with the
    compile time of the fused kernels.
 
 If compiling fails (no Triton, an unsupported torch), the package falls back to its eager code:
 the benchmark then measures that, and the output says so (``fused_failed``). Each stage is
-guarded: whatever fails is recorded in the JSON, and the file is written in every case. Stages
-are skipped once ``--budget`` seconds (default 85) are spent.
+guarded: whatever fails is recorded in the JSON, the file is written in every case, and the exit
+status is 1 when a stage failed or a bit differs. Stages are skipped once ``--budget`` seconds
+(default 85) are spent. ``tests/test_gpu_tools.py`` runs the whole script on the CPU (eager
+kernels, small sizes), so that it cannot fall behind the package.
 """
 
 from __future__ import annotations
@@ -34,15 +36,21 @@ def _say(t0, *args):
     print(f"[gpu_bench {time.time() - t0:6.1f}s]", *args, flush=True)
 
 
-def check_bits(device: str) -> dict:
+def check_bits(device: str, mode: str = "on", n_random: int = 50_000, stride: int = 0) -> dict:
     """Compiled GPU kernels against the CPU: round to nearest against ``quantize`` of the same
     values as float64 on the CPU (the exact route), stochastic rounding and the freeze code
-    against the same kernel functions run eagerly on the CPU; counts of differing elements."""
+    against the same kernel functions run eagerly on the CPU; counts of differing elements.
+
+    ``mode``: the kernels' compile mode while checking (``"on"``: compiled; ``"off"`` runs the
+    same code eagerly, which is how the test suite runs this on the CPU in seconds).
+    ``n_random``: random inputs per format. ``stride``: 0 for the test suite's exhaustive point
+    sets, else every stride-th float32 bit pattern."""
     import numpy as np
     import torch
 
     from lowprec_demo import _fused
     from lowprec_demo.formats import get_format
+    from lowprec_demo.prediction import RATIO_BINS
     from lowprec_demo.rounding import quantize
 
     def exact_nearest(x, fmt, policy):   # float64 on the CPU: the package's exact route
@@ -50,13 +58,15 @@ def check_bits(device: str) -> dict:
 
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     try:  # the exhaustive point sets of the test suite (needs pytest and ml_dtypes)
+        if stride:
+            raise ImportError("a stride was asked for")
         import test_rounding as TR
         points, policies = (lambda key: TR.exhaustive_points(key)), TR.policies
     except Exception:  # else float32 bit patterns at a stride, and the policies each format allows
         TR = None
 
         def points(key):
-            return np.arange(0, 2**32, 4093, dtype=np.uint64).astype(np.uint32).view(np.float32)
+            return np.arange(0, 2**32, stride or 4093, dtype=np.uint64).astype(np.uint32).view(np.float32)
 
         def policies(fmt):
             return [p for p in ("inf", "saturate", "nan")
@@ -73,14 +83,15 @@ def check_bits(device: str) -> dict:
         nan = a.isnan() | b.isnan()
         return int((a.isnan() != b.isnan()).sum()) + int((a[~nan].view(torch.int32) != b[~nan].view(torch.int32)).sum())
 
-    out = {}
-    previous = _fused.set_mode("on")
+    out = {"mode": mode}
+    previous = _fused.set_mode(mode)
     try:
-        out["point_sets"] = "exhaustive (tests/test_rounding.py)" if TR is not None else "bit patterns, stride 4093"
+        out["point_sets"] = ("exhaustive (tests/test_rounding.py)" if TR is not None
+                             else f"bit patterns, stride {stride or 4093}")
         for key in ("bf16", "fp16", "e4m3", "e5m2", "e5m3", "e2m1"):
             fmt = get_format(key)
             pts = torch.from_numpy(points(key).astype(np.float32))
-            rnd = random_inputs(fmt, 50_000)
+            rnd = random_inputs(fmt, n_random)
             row = {"points": len(pts), "random": len(rnd)}
             for policy in policies(fmt):
                 row[f"nearest_{policy}"] = differ(_fused.nearest(pts.to(device), fmt, policy),
@@ -91,9 +102,11 @@ def check_bits(device: str) -> dict:
                                                               _fused.sr_fp32(rnd, p))
             old = rnd.nan_to_num(0.0, 0.0, 0.0)
             new = (old * (1 + 2.0**-9) + 1e-7).nan_to_num(0.0, 0.0, 0.0)
-            code, moved = _fused.freeze_code(old.to(device), new.to(device), fmt, 3)
-            p = torch.tensor(_fused.freeze_params(fmt, 3), dtype=torch.int32)
-            want_code, want_moved = _fused.freeze_code_fp32(old, new, p)
+            code = torch.empty(old.numel(), dtype=torch.uint8, device=device)
+            moved = _fused.freeze_code(old.to(device), new.to(device), fmt, RATIO_BINS, code, "codes", 3)
+            p = torch.tensor(_fused.freeze_params(fmt, 3, RATIO_BINS), dtype=torch.int32)
+            want_code = torch.empty(old.numel(), dtype=torch.uint8)
+            want_moved = _fused.freeze_code_fp32(old, new, p, want_code)
             row["freeze_code"] = int((code.cpu() != want_code).sum())
             row["moved_relative_error"] = abs(moved.item() - want_moved.item()) / max(1e-300, abs(want_moved.item()))
             out[key] = row
@@ -118,6 +131,17 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--budget", type=float, default=85.0, help="seconds after which stages are skipped")
     parser.add_argument("--no-check", action="store_true", help="skip the bit-for-bit check")
+    parser.add_argument("--mode", default="on", choices=("on", "off", "auto"),
+                        help="the kernels' compile mode for the check (off: eager, the CPU rehearsal)")
+    parser.add_argument("--random", type=int, default=50_000, help="random inputs per format in the check")
+    parser.add_argument("--stride", type=int, default=0,
+                        help="check float32 bit patterns at this stride instead of the exhaustive point sets")
+    parser.add_argument("--size", type=int, default=None, help="elements of the benchmark's quantize (default: its own)")
+    parser.add_argument("--models", default="auto", help="comma-separated benchmark models, '' for none "
+                        "(auto: nanogpt-quick and gpt2 when the budget allows)")
+    parser.add_argument("--scale-sizes", default="20,22,24,26", help="log2 sizes of the quantize-against-size table")
+    parser.add_argument("--no-eager", action="store_true",
+                        help="leave out the eager comparisons and the first call of a fresh process")
     args = parser.parse_args(argv)
     t0 = time.time()
     result = {"argv": sys.argv, "stages": {}}
@@ -150,11 +174,20 @@ def main(argv=None) -> int:
         save()
         print(result["error"])
         return 1
+    previous_mode = _fused.set_mode(args.mode)
+    try:
+        return _stages(args, result, t0, save)
+    finally:
+        _fused.set_mode(previous_mode)
+
+
+def _stages(args, result: dict, t0: float, save) -> int:
+    from lowprec_demo import _fused, bench
 
     if not args.no_check:
         _say(t0, "bits: compiled GPU kernels against the CPU's eager code ...")
         try:
-            check = check_bits(args.device)
+            check = check_bits(args.device, args.mode, args.random, args.stride)
             result["stages"]["check"] = check
             _say(t0, f"bits: {check['total_differences']} elements differ"
                  + ("" if check["total_differences"] == 0 else " -- SEE THE JSON"))
@@ -167,9 +200,14 @@ def main(argv=None) -> int:
         _say(t0, "speed: python -m lowprec_demo.bench --device cuda --quick ...")
         try:
             left = args.budget - (time.time() - t0)
-            models = ["nanogpt-quick", "gpt2"] if left > 40 else ["nanogpt-quick"]
-            run = bench.run(args.device, quick=True, models=models, libraries=False, eager=True,
-                            scale_sizes=[1 << 20, 1 << 22, 1 << 24, 1 << 26])
+            if args.models == "auto":
+                models = ["nanogpt-quick", "gpt2"] if left > 40 else ["nanogpt-quick"]
+            else:
+                models = [m for m in args.models.split(",") if m]
+            sizes = [1 << int(k) for k in args.scale_sizes.split(",") if k]
+            run = bench.run(args.device, quick=True, size=args.size, models=models, libraries=False,
+                            eager=not args.no_eager, compile_kernels=args.mode != "off",
+                            scale_sizes=sizes, progress=False)
             result["stages"]["bench"] = run
             failed = run.get("compile", {}).get("failed")
             if failed:
@@ -182,9 +220,13 @@ def main(argv=None) -> int:
     else:
         result["stages"]["bench"] = {"skipped": f"budget of {args.budget} s spent"}
     result["fused_status"] = _fused.status()
+    failed = [name for name, stage in result["stages"].items() if isinstance(stage, dict) and "error" in stage]
+    differ = result["stages"].get("check", {}).get("total_differences", 0)
+    result["ok"] = not failed and not differ
     save()
-    _say(t0, f"wrote {args.out}")
-    return 0
+    _say(t0, f"wrote {args.out}" + (f"; FAILED: {', '.join(failed)}" if failed else "")
+         + (f"; {differ} elements differ" if differ else ""))
+    return 0 if result["ok"] else 1
 
 
 if __name__ == "__main__":

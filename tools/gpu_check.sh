@@ -36,7 +36,7 @@
 # standard-library fallback corpus, said so in the results. GPT-2's BPE needs tiktoken's files,
 # which an offline machine lacks: the GPT-2 run then uses byte tokens, said so in the results.
 
-set -uo pipefail
+set -uo pipefail   # (no -e: every stage runs; the last step sets the exit status)
 OUT=${OUT:-gpu_check_out}
 DEVICE=${DEVICE:-cuda}
 BUDGET_S=${BUDGET_S:-270}
@@ -227,3 +227,11 @@ print(json.dumps(summary, indent=1))
 PY
 say "end $(date -u +%FT%TZ); files in $OUT:"
 ls -la "$OUT" | tee -a "$LOG"
+# the exit status says whether both experiments ended "ok"
+python3 - "$OUT/gpu_check_summary.json" <<'PY' 2>&1 | tee -a "$LOG"
+import json, sys
+summary = json.load(open(sys.argv[1]))
+failed = [stage for stage, s in summary.items() if s.get("status") != "ok"]
+print("[gpu_check] " + (f"FAILED: {', '.join(failed)}" if failed else "both experiments ok"))
+sys.exit(1 if failed else 0)
+PY
