@@ -481,8 +481,8 @@ def _freeze_code(old: torch.Tensor, new: torch.Tensor, p: torch.Tensor, fewbit: 
     edges -24..8; ratio 0 in bin 0; 63 for NaN); with ``fewbit=False`` there is no few-bit
     flag and the bin sits in bits 1-6.
     ``moved`` (float64, 0-dim) is the sum of the move probabilities ``min(1, |d|/gap)``, with k
-    random bits resolved to k bits as :func:`lowprec_demo.rounding.move_probability` does
-    (``fewbit=False``: full resolution).
+    random bits resolved to k bits, and 0 for a stuck weight, as
+    :func:`lowprec_demo.rounding.move_probability` gives them (``fewbit=False``: full resolution).
     ``infinite_gap=False`` leaves out the gap at inf of a format without mantissa bits (the
     only infinite gap): for formats with m >= 1. ``one_factor=True`` divides by the gap with
     one multiplication: for formats whose every gap lies between 2**-127 and 2**126 (m >= 2 and
@@ -531,14 +531,16 @@ def _freeze_code(old: torch.Tensor, new: torch.Tensor, p: torch.Tensor, fewbit: 
         half_multiple = half_multiple * scale
     half_multiple = half_multiple * 0.5
     frozen = (rb < _HALF_BITS) | ((rb == _HALF_BITS) & (torch.round(half_multiple) == half_multiple))
-    # the stuck weight (saturated max, or inf) stays under an outward update; inf under any finite one
-    frozen = frozen | ((wu == stuck_bits) & (~opposite | (du < stuck_limit)))
+    # the stuck weight (saturated max, or inf) stays under an outward update; inf under any finite
+    # one: frozen, and stochastic rounding cannot move it either
+    stuck = (wu == stuck_bits) & (~opposite | (du < stuck_limit))
+    frozen = frozen | stuck
     frozen = frozen & (torch.maximum(wu, du) <= _INF_BITS)                 # NaN never (w: "nan" overflow)
     # log2(ratio) rounded up (a nonzero mantissa carries into the exponent), less the first
     # edge: the bin of bucketize(log2 ratio, edges)
     bin_ = torch.minimum(torch.clamp(((rb + 0x7FFFFF) >> 23) - p[8], min=0), p[9])
     bin_ = torch.where(rb > _INF_BITS, _NO_BIN, bin_)
-    probability = torch.clamp(ratio, max=1.0)
+    probability = torch.where(stuck, 0.0, torch.clamp(ratio, max=1.0))
     if not fewbit:   # no few-bit flag: the bin right above the frozen bit
         return frozen.to(torch.int32) | (bin_ << 1), probability.to(torch.float64).sum()
     code = frozen.to(torch.int32) | ((rb <= fewbit_bits).to(torch.int32) << 1) | (bin_ << 2)

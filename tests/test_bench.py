@@ -25,7 +25,7 @@ from lowprec_demo import _fused, _packing, bench
 from lowprec_demo.formats import get_format
 from lowprec_demo.optimizer import LowPrecisionOptimizer
 from lowprec_demo.prediction import RATIO_BINS, FreezeObserver, FreezePredictor, count_freezes
-from lowprec_demo.rounding import quantize, random_bits, update_ulp_ratio, would_freeze
+from lowprec_demo.rounding import move_probability, quantize, random_bits, update_ulp_ratio, would_freeze
 
 pytestmark = [pytest.mark.filterwarnings("ignore:invalid value encountered in cast:RuntimeWarning"),
               pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning"),
@@ -347,10 +347,7 @@ def test_freeze_code_is_the_freeze_rule(compiled, key):
             fewbit = torch.round(ratio.clamp(max=1.0) * 2.0**k) == 0
             assert torch.equal(((code >> 1) & 1).bool(), fewbit)
         assert torch.equal((code >> 2).to(torch.int64), exact_bins(ratio))
-        probability = ratio.clamp(max=1.0)
-        if k is not None:
-            probability = torch.round(probability * 2.0**k) / 2.0**k
-        want = probability.double().sum()
+        want = move_probability(stored, update, fmt, rand_bits=k).double().sum()
         for got in (moved, eager_moved):
             assert (got.isnan() and want.isnan()) or math.isclose(got.item(), want.item(), rel_tol=1e-9)
 
@@ -358,7 +355,7 @@ def test_freeze_code_is_the_freeze_rule(compiled, key):
 @pytest.mark.parametrize("key", ["e4m3", "e5m2", "fp16", "e3m2", "e2m0"])
 def test_freeze_code_under_every_overflow_policy(compiled, key):
     """Weights stored as the max, inf or NaN after an overflow: the freeze codes and move sums
-    follow would_freeze and update_ulp_ratio under each policy the format allows (a NaN
+    follow would_freeze, update_ulp_ratio and move_probability under each policy the format allows (a NaN
     weight never freezes)."""
     old, new = freeze_cases(key)
     big = torch.tensor([1e30, -1e30, 7e4, -7e4, 500.0, 480.0, 464.0, 65520.0, 3.0e38], dtype=torch.float32)
@@ -378,7 +375,7 @@ def test_freeze_code_under_every_overflow_policy(compiled, key):
         assert torch.equal((code & 1).bool(), frozen), policy
         assert torch.equal((code >> 2).to(torch.int64), exact_bins(ratio)), policy
         assert torch.equal(paired[1::2] & 1, code[1::2] & 1) and torch.equal(paired[1::2] >> 1, code[1::2] >> 2)
-        want = ratio.clamp(max=1.0).double().sum()
+        want = move_probability(stored, update, fmt).double().sum()
         assert (moved.isnan() and want.isnan()) or math.isclose(moved.item(), want.item(), rel_tol=1e-9)
 
 
