@@ -7,7 +7,7 @@
 3. torch-optimi's AdamW with Kahan summation, against ``compensation="kahan"``.
 4. gfloat's round-to-nearest and stochastic rounding, against :func:`lowprec_demo.quantize`.
 
-The numbers asserted here are quoted in the README's "Fidelity" section
+The numbers asserted here are quoted on the book's page "Fidelity" (book/fidelity.md)
 (``pytest tests/test_fidelity.py -v``). Parts 2-4 skip, naming the package, when it is missing
 (``pip install -r requirements-fidelity.txt``).
 """
