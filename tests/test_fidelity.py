@@ -12,6 +12,8 @@ The numbers asserted here are quoted on the book's page "Fidelity" (book/fidelit
 (``pip install -r requirements-fidelity.txt``).
 """
 
+import contextlib
+import functools
 import inspect
 import math
 import warnings
@@ -61,15 +63,27 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> int:
 Quadratic = NoisyQuadratic   # the problem of lowprec_demo.fidelity.real_and_simulated
 
 
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """torch's intra-op threads set to ``n`` inside the block, put back after it: where an
+    element goes through a CPU kernel's vector or scalar loop depends on it (see
+    :func:`lowprec_demo.fidelity.scalar_path`). The tests hold the threads only around the
+    operation they check: the replay and the bookkeeping run on one thread, since two threads
+    that wait on each other on a busy 2-core machine make them many times slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield n
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.fixture
 def threads(request):
-    """torch's intra-op threads for one test (``request.param``), put back afterwards: where an
-    element goes through a CPU kernel's vector or scalar loop depends on it (see
-    :func:`lowprec_demo.fidelity.scalar_path`)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
+    """The thread count a test checks (``request.param``), with torch on one thread outside the
+    blocks of :func:`torch_threads`."""
+    with torch_threads(1):
+        yield request.param
 
 
 # ------------------------------------------------------------------------------------------------
@@ -96,26 +110,35 @@ def test_vector_width_is_the_first_size_with_a_vector_loop():
     assert expected is None or width == expected
 
 
-@pytest.mark.parametrize("threads", [1, 2, 3], indirect=True)
-@pytest.mark.parametrize("fmt", ["bf16", "fp16"])
-@pytest.mark.parametrize("numel", [1, 31, 1000, 1003, GRAIN_SIZE, GRAIN_SIZE + 1, 50_000, 100_003])
-def test_the_scalar_loop_is_where_scalar_path_says(threads, fmt, numel):
-    """``a.add_(b, alpha)``: elements whose vector-loop and scalar-loop results differ, repeated
-    to fill the tensor, land on the scalar loop's value exactly where ``scalar_path`` says, for
-    one share or several, at every thread count."""
-    dtype = DTYPES[fmt]
-    a0, b0 = spread_weights(64_000, dtype).double(), spread_grads(64_000, 0, dtype).double()
-    alpha = _scalar_alpha = -1e-3
+@functools.lru_cache(maxsize=None)
+def loops_differ(fmt: str, alpha: float) -> tuple:
+    """``(a, b, vector, one_by_one)``: weights and gradients of ``fmt`` (float64) on which
+    ``a.add_(b, alpha)`` gives different results on the vector loop, ``q(fl32(a + q(alpha) b))``,
+    and on the scalar loop, ``q(fl32(a + q(q(alpha) b)))``, and those two results."""
+    a0, b0 = spread_weights(64_000, DTYPES[fmt]).double(), spread_grads(64_000, 0, DTYPES[fmt]).double()
     rounded = quantize(torch.tensor([alpha], dtype=torch.float64), fmt).item()
     vector = quantize(quantize(a0 + rounded * b0, "fp32"), fmt)
     one_by_one = quantize(quantize(a0 + quantize(rounded * b0, fmt), "fp32"), fmt)
     pick = (vector != one_by_one).nonzero().flatten()
-    assert len(pick) > 100               # the two loops really differ on these
-    index = torch.arange(numel) % len(pick)
-    a, b = a0[pick][index].to(dtype), b0[pick][index].to(dtype)
-    a.add_(b, alpha=_scalar_alpha)
-    mask = scalar_path(numel)
-    expected = torch.where(mask, one_by_one[pick][index], vector[pick][index]).to(dtype)
+    return a0[pick], b0[pick], vector[pick], one_by_one[pick]
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3], indirect=True)
+@pytest.mark.parametrize("fmt", ["bf16", "fp16"])
+@pytest.mark.parametrize("numel", [31, 1003, GRAIN_SIZE, GRAIN_SIZE + 1, 100_003])
+def test_the_scalar_loop_is_where_scalar_path_says(threads, fmt, numel):
+    """``a.add_(b, alpha)``: elements whose vector-loop and scalar-loop results differ, repeated
+    to fill the tensor, land on the scalar loop's value exactly where ``scalar_path`` says, for
+    one share or several, at every thread count."""
+    dtype, alpha = DTYPES[fmt], -1e-3
+    a0, b0, vector, one_by_one = loops_differ(fmt, alpha)
+    assert len(a0) > 100               # the two loops really differ on these
+    index = torch.arange(numel) % len(a0)
+    a, b = a0[index].to(dtype), b0[index].to(dtype)
+    with torch_threads(threads):
+        a.add_(b, alpha=alpha)
+    mask = scalar_path(numel, threads)
+    expected = torch.where(mask, one_by_one[index], vector[index]).to(dtype)
     assert same_bits(a, expected) == 0
     shares = 1 if numel < GRAIN_SIZE or threads == 1 else min(threads, -(-numel // GRAIN_SIZE))
     share = -(-numel // shares)
@@ -138,8 +161,9 @@ def test_replay_equals_torch_bit_for_bit(fmt, name, settings, threads):
         grad = spread_grads(n, t, dtype)
         before = param.detach().clone()
         param.grad = grad.clone()
-        opt.step()
-        replay = step(replay, grad.double(), state, fmt=fmt, **settings)
+        with torch_threads(threads):
+            opt.step()
+        replay = step(replay, grad.double(), state, fmt=fmt, **({"threads": threads} if name == "sgd" else {}), **settings)
         assert same_bits(param.detach(), replay.to(dtype)) == 0, f"step {t}"
         moved += int((param.detach() != before).sum())
     assert 0 < moved < 25 * n   # some elements moved and some froze: both paths were exercised
@@ -198,7 +222,7 @@ def test_bf16_sgd_is_the_simulation_at_lr_rounded_to_bf16(threads):
     elements of each thread's half take the scalar loop, where torch rounds ``lr g`` to bf16
     before the sum (replayed by ``sgd_step``, checked above), and may differ from the simulation."""
     n, lr = 100_000, 1e-3
-    vector_loop = ~scalar_path(n)
+    vector_loop = ~scalar_path(n, threads)
     assert bool(vector_loop.all()) == (threads == 1)
     lr_bf16 = quantize(torch.tensor([lr], dtype=torch.float64), "bf16").item()
     assert lr_bf16 == 0.00099945068359375   # 1e-3 stored with 8 significant bits
@@ -212,7 +236,8 @@ def test_bf16_sgd_is_the_simulation_at_lr_rounded_to_bf16(threads):
     for t in range(25):
         grad = spread_grads(n, t, torch.bfloat16)
         real.grad = grad.clone()
-        opt.step()
+        with torch_threads(threads):
+            opt.step()
         for p, sim in sims.values():
             p.grad = grad.float()
             sim.step()
