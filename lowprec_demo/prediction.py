@@ -53,7 +53,7 @@ import torch
 from . import _fused
 from ._packing import Pack, copy_into, packs
 from .formats import FloatFormat, get_format
-from .rounding import quantize, update_ulp_ratio, would_freeze
+from .rounding import move_probability, quantize, update_ulp_ratio, would_freeze
 
 __all__ = ["FreezeRecord", "StepTracker", "FreezePredictor", "FreezeObserver", "freeze_step", "freeze_order",
            "steps_agree", "named_tensors", "mask_mismatch", "RATIO_BINS", "FreezeCounts", "count_freezes"]
@@ -629,10 +629,9 @@ class FreezePredictor(StepTracker):
                 update = new - old
                 frozen = would_freeze(stored, update, fmt)
                 ratio = update_ulp_ratio(stored, update, fmt)
-                moved = ratio.clamp(max=1.0)
-                if self.rand_bits is not None:  # the position in the gap resolved to k bits
-                    moved = torch.round(moved * 2.0**self.rand_bits) / 2.0**self.rand_bits
-                    fewbit_total += (moved == 0).sum().item()
+                moved = move_probability(stored, update, fmt, rand_bits=self.rand_bits)   # 0 where stuck
+                if self.rand_bits is not None:  # the position in the gap resolved to k bits rounds to 0
+                    fewbit_total += (torch.round(ratio.clamp(max=1.0) * 2.0**self.rand_bits) == 0).sum().item()
                 per_tensor.append((name, frozen.sum().item(), old.numel()))
                 moved_total += moved.sum().item()
                 log_ratio = torch.log2(ratio[ratio > 0].float().cpu())
