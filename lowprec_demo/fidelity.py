@@ -9,8 +9,8 @@ tensor's dtype first. So one bf16 SGD step is ``q(fl32(w + q(-lr) g))``, not ``q
 ``lr`` itself is rounded to 8 significant bits.
 
 Not every element goes through the same code. A CPU kernel walks its tensor in vectors of
-:func:`vector_width` elements (32 for a 16-bit type with AVX-512, 16 with AVX2) and finishes the
-last ``share % width`` elements of each thread's share one by one. That scalar loop computes
+:func:`vector_width` elements (32 for a 16-bit type on the AVX-512 EPYC it was measured on) and
+finishes the last ``share % width`` elements of each thread's share one by one. That scalar loop computes
 ``add(a, b, alpha)`` as ``q(fl32(a + q(q(alpha) b)))``: the product is rounded to the tensor's
 dtype before the sum, so the result can differ from the vector loop's by a gap (bf16 SGD at lr
 1e-3 on 64,000 spread weights, every one through the scalar loop: 368 differ at the first step).
@@ -67,9 +67,8 @@ GRAIN_SIZE = 32768
 
 @functools.lru_cache(maxsize=None)
 def vector_width() -> int:
-    """How many 16-bit floats torch's CPU kernels take per vector on this machine
-    (``Vectorized<BFloat16>::size()``), measured: the smallest bf16 tensor whose ``add_`` goes
-    through the vector loop. The probe is an element where the two loops differ: 0.5390625 plus
+    """How many 16-bit floats torch's CPU kernels take per block of their vector loop on this
+    machine, measured: the smallest bf16 tensor whose ``add_`` goes through the vector loop. The probe is an element where the two loops differ: 0.5390625 plus
     -1e-3 times 1.9609375 is 0.53515625 on the vector loop and 0.5390625 on the scalar one (the
     product, rounded to bf16 first, puts the sum on a midpoint, and the tie goes to even).
 
@@ -93,7 +92,7 @@ def scalar_path(numel: int, threads: Optional[int] = None) -> torch.Tensor:
     share go one by one. ``threads``: torch's intra-op threads (default ``torch.get_num_threads()``).
 
     Example:
-        >>> int(scalar_path(100_000, threads=2).sum())   # two shares of 50,000; AVX-512: 16 + 16
+        >>> int(scalar_path(100_000, threads=2).sum())   # two shares of 50,000; blocks of 32: 16 + 16
         32
     """
     threads = torch.get_num_threads() if threads is None else int(threads)

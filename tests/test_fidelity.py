@@ -104,10 +104,9 @@ def test_cpu_optimizers_take_the_for_loop_path():
 
 
 def test_vector_width_is_the_first_size_with_a_vector_loop():
-    width = vector_width()
-    assert width in (8, 16, 32, 64)
-    expected = {"AVX512": 32, "AVX2": 16}.get(torch.backends.cpu.get_cpu_capability())
-    assert expected is None or width == expected
+    # (which width is right is checked against torch itself by the partition test below; the
+    # issue's AVX2 EPYC showed a 16-element tail at 50,000, so its block is not 16 either)
+    assert vector_width() in (8, 16, 32, 64)
 
 
 @functools.lru_cache(maxsize=None)
