@@ -328,13 +328,14 @@ class FreezeWatch:
             update = new - old
             lrs = torch.tensor([self._lr_now[self._group[n]] for n in self.tracked], dtype=torch.float64)
             log_lr = torch.log2(lrs.clamp(min=1e-300)).to(torch.float32).to(new.device)[plan.tensor_id]
+            magnitude = old.abs()
             for i, fmt in enumerate(self.formats_given):
                 ratio = update_ulp_ratio(old, update, fmt)   # |d| / gap at q(old), exact: the gap is a power of two
                 frozen = ratio < 0.5                         # the freeze rule; a tie goes to the even neighbour
                 moves = ratio.clamp(max=1.0)
                 # ties, and weights that may round to +-max or be infinite (where a saturating
                 # format keeps +-max under an outward step), take the rule itself
-                edge = (ratio == 0.5) | ~(old.abs() < fmt.max / 2)
+                edge = (ratio == 0.5) | ~(magnitude < fmt.max / 2)
                 if bool(edge.any()):
                     frozen[edge] = would_freeze(old[edge], update[edge], fmt)
                     moves[edge] = move_probability(old[edge], update[edge], fmt).to(moves.dtype)
