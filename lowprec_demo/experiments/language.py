@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import TrainConfig
-from ..data import TokenBatches
+from ..data.batches import TokenBatches
 from ..models import GPT
 from ..runtime import pick_device
 from ..training import Task

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..data import cached_per_data_environment, load_mnist
+from ..data.environment import cached_per_data_environment
+from ..data.mnist import load_mnist
 from ..models import LeNet5
 from ..config import TrainConfig
 from ..training import Task

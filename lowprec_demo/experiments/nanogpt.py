@@ -23,7 +23,8 @@ from typing import Optional
 
 import torch
 
-from ..data import CharTokenizer, cached_per_data_environment, load_shakespeare
+from ..data.environment import cached_per_data_environment
+from ..data.text import CharTokenizer, load_shakespeare
 from ..models import gpt_config
 from ..config import TrainConfig
 from ..training import Task
