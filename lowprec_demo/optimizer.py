@@ -42,8 +42,8 @@ from typing import Callable, Iterable, Optional, Union
 
 import torch
 
-from . import _fused
-from ._packing import packs
+from . import kernels
+from .packing import packs
 from .formats import FloatFormat, check_overflow_policy, get_format
 from .rounding import ROUNDING_MODES, GeneratorLike, quantize, quantize_
 
@@ -232,7 +232,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
     def _pack_plan(self, tensors: list) -> list:
         """``(members, pack)`` for the tensors: first those the fused path does not take, one by
         one with no pack, then the contiguous float32 ones in the packs of
-        :func:`lowprec_demo._packing.packs` (one tensor, or a buffer for several small ones).
+        :func:`lowprec_demo.packing.packs` (one tensor, or a buffer for several small ones).
         Kept from step to step (the cache holds the tensors, so their ids stay theirs)."""
         key = tuple(id(t) for t in tensors)
         cache = self.__dict__.setdefault("_pack_cache", {})
@@ -240,7 +240,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         if plan is not None:
             return plan
         fast = [t for t in tensors
-                if t.dtype == torch.float32 and t.is_contiguous() and t.numel() <= _fused.MAX_NUMEL]
+                if t.dtype == torch.float32 and t.is_contiguous() and t.numel() <= kernels.MAX_NUMEL]
         chosen = {id(t) for t in fast}
         plan = [([t], None) for t in tensors if id(t) not in chosen]
         plan += [([fast[i] for i in pack.indices], pack) for pack in packs(fast)]

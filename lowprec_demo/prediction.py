@@ -44,14 +44,15 @@ Example:
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Union
 
 import torch
 
-from . import _fused
-from ._packing import Pack, copy_into, packs
+from . import kernels
+from .freeze_counts import FreezeCounts, count_freezes
+from .freeze_rule import RATIO_EDGES
+from .packing import Pack, copy_into, packs
 from .formats import FloatFormat, get_format
 from .rounding import move_probability, quantize, update_ulp_ratio, would_freeze
 
@@ -59,7 +60,7 @@ __all__ = ["FreezeRecord", "StepTracker", "FreezePredictor", "FreezeObserver", "
            "steps_agree", "named_tensors", "mask_mismatch", "RATIO_BINS", "FreezeCounts", "count_freezes"]
 
 # log2(|d| / gap) histogram bins: edges -24, -23, ..., +8 (values outside go to the end bins).
-RATIO_BINS = list(range(-24, 9))
+RATIO_BINS = list(RATIO_EDGES)
 
 TensorSource = Union[Mapping[str, torch.Tensor], Callable[[], Mapping[str, torch.Tensor]], torch.nn.Module]
 
@@ -175,14 +176,13 @@ def freeze_order(record: FreezeRecord, threshold: float) -> List[tuple]:
 
 def _frozen_mask(stored: torch.Tensor, old: torch.Tensor, new: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
     """Element by element, whether round to nearest of the exact sum ``q(w) + d`` gives back
-    ``q(w)`` (``d = new - old``): :func:`~lowprec_demo.rounding.would_freeze`, computed as
-    ``quantize(q(w) + d) == q(w)`` with the sum in float64. For float32 inputs that sum is exact
-    wherever it can decide the rounding (near a tie, |d| is half a gap, and the two fit in 53
-    bits), and float64 is rounded once; the tests check it bit for bit against
-    ``would_freeze``. Wider inputs take ``would_freeze`` itself."""
-    if stored.dtype != torch.float32:
-        return would_freeze(stored, new - old, fmt)
-    return quantize(stored.double() + (new - old).double(), fmt) == stored.double()
+    ``q(w)`` (``d = new - old``, ``stored = q(old)``): the rule of :mod:`lowprec_demo.freeze_rule`,
+    by the freeze kernel for float32 tensors of a format float32 holds, else by
+    :func:`~lowprec_demo.rounding.would_freeze`."""
+    fmt = get_format(fmt)
+    if old.dtype == torch.float32 and kernels.fits(old, fmt):
+        return kernels.freeze_detail(old.reshape(-1), new.reshape(-1), fmt)[0].view(old.shape)
+    return would_freeze(stored, new - old, fmt)
 
 
 def mask_mismatch(predicted: Mapping[str, torch.Tensor], observed: Mapping[str, torch.Tensor]) -> tuple:
@@ -206,133 +206,15 @@ def mask_mismatch(predicted: Mapping[str, torch.Tensor], observed: Mapping[str, 
     return differ, p * (1 - q) + q * (1 - p)
 
 
-# ------------------------------------------------------------------------------------------------
-# counting the freeze kernel's codes: what the predictor keeps of a step
-# ------------------------------------------------------------------------------------------------
-PAIRED_BINCOUNT = sys.byteorder == "little"   # two uint8 codes read as one int16
-
-
-@dataclass(frozen=True)
-class FreezeCounts:
-    """What :func:`count_freezes` counts for one format.
-
-    Attributes:
-        moved: the sum of the move probabilities ``min(1, |d|/gap)`` (with k random bits
-            resolved to k bits).
-        frozen: the elements that freeze, per tensor, pack after pack.
-        fewbit: the elements whose ratio few-bit SR never moves (0 without few-bit prediction).
-        ratio_hist: the elements per bin of ``log2(|d|/gap)``, ``len(edges) + 1`` bins (NaN
-            ratios in none).
-    """
-
-    moved: float
-    frozen: List[int]
-    fewbit: int
-    ratio_hist: List[int]
-
-
-def _layout_for(pack, rand_bits: Optional[int]) -> str:
-    """How :func:`count_freezes` lays out and counts the codes of a pack: without few-bit
-    prediction two codes per bincount entry (one tensor of an even number of elements) or one
-    (several tensors: 256 bins, the frozen elements per block); else the codes with the few-bit
-    flag, tagged by tensor where there are several."""
-    if rand_bits is None and pack.several:
-        return "bytes"
-    if rand_bits is None and pack.numel % 2 == 0 and PAIRED_BINCOUNT:
-        return "paired"
-    return "tagged" if pack.several else "codes"
-
-
-def _count_parts(layout: str, pack, old: torch.Tensor, new: torch.Tensor, fmt: FloatFormat,
-                 edges: Sequence[int], rand_bits: Optional[int]) -> List[torch.Tensor]:
-    """The counts of one pack and format as flat tensors, read back by :func:`_fold_counts`:
-    the move sum first, then 256 counts of code bytes, then per layout 128 more (``"paired"``:
-    those of the odd elements) or one number per tensor (its frozen elements)."""
-    if layout in ("bytes", "paired"):
-        codes = pack.codes()
-        moved = _fused.freeze_code(old, new, fmt, edges, codes, layout)
-        if layout == "bytes":   # one byte per bincount entry, the frozen elements per block
-            return [moved.reshape(1), torch.bincount(codes, minlength=256), pack.per_tensor(_fused.frozen_blocks(codes))]
-        # two codes per entry: ``even`` (256) per (bin, frozen, lane) of the even element of a
-        # pair, ``odd`` (128) per (bin, frozen) of the odd one (two plain reductions of the
-        # 32768 counts; the rest in Python on the short lists, where it costs less)
-        rows = torch.bincount(codes.view(torch.int16), minlength=1 << 15).view(128, 256)
-        return [moved.reshape(1), rows.sum(0), rows.sum(1)]
-    # one bincount: frozen, few-bit and bin jointly, per tensor of the pack (the gaps between
-    # tensors have a tag of their own, a row left out)
-    code = torch.empty(pack.numel, dtype=torch.int32 if layout == "tagged" else torch.uint8, device=old.device)
-    moved = _fused.freeze_code(old, new, fmt, edges, code, layout, rand_bits, pack.tags())
-    k = len(pack.sizes)
-    joint = torch.bincount(code, minlength=256 * (k + pack.several)).view(-1, 256)[:k]
-    return [moved.reshape(1), joint.sum(0), joint.view(-1, 128, 2)[:, :, 1].sum(1)]
-
-
-def _fold_bytes(counts: list) -> tuple:
-    """From 256 counts per code byte with the frozen flag in bit 1 and the bin in bits 2-7
-    (the ``"bytes"`` layout, the even elements of the ``"paired"`` one) or the few-bit flag in
-    bit 1 (the codes with the flag): the count of the bytes with bit 1 set and the histogram of
-    the 64 values of bits 2-7."""
-    flagged = sum(counts[2::4]) + sum(counts[3::4])
-    return flagged, [a + b + c + d for a, b, c, d in zip(counts[0::4], counts[1::4], counts[2::4], counts[3::4])]
-
-
-def _fold_counts(layout: str, pack, values: list, at: int) -> tuple:
-    """``(moved, frozen per tensor, few-bit count, histogram of the 64 bin values, how many
-    values were read)`` from ``values[at:]``, as :func:`_count_parts` wrote them."""
-    k = len(pack.sizes)
-    moved, counts = values[at], values[at + 1:at + 257]
-    if layout == "bytes":   # the zeros in the gaps: a zero update, frozen, bin 0
-        _, hist = _fold_bytes(counts)
-        hist[0] -= sum(pack.pads)
-        return moved, [f - pad for f, pad in zip(values[at + 257:at + 257 + k], pack.pads)], 0, hist, 257 + k
-    if layout == "paired":
-        frozen, hist = _fold_bytes(counts)
-        odd = values[at + 257:at + 385]
-        frozen += sum(odd[1::2])
-        return moved, [frozen], 0, [h + a + b for h, a, b in zip(hist, odd[0::2], odd[1::2])], 385
-    fewbit, hist = _fold_bytes(counts)   # bit 1: the few-bit flag
-    return moved, values[at + 257:at + 257 + k], fewbit, hist, 257 + k
-
-
-def count_freezes(pairs: Sequence[tuple], formats: Sequence[FloatFormat], edges: Sequence[int],
-                  rand_bits: Optional[int] = None) -> List[FreezeCounts]:
-    """The freeze statistics of the update ``new - old`` of every ``(pack, old, new)`` in
-    ``pairs`` (a :class:`lowprec_demo._packing.Pack` and two flat float32 tensors in its
-    layout), for every format: one :class:`FreezeCounts` per format, over all the packs, with
-    the histogram of ``log2(|d|/gap)`` in the bins of ``edges`` (consecutive integers:
-    :data:`lowprec_demo.prediction.RATIO_BINS`) and with ``rand_bits`` the few-bit count.
-
-    One kernel pass over each pack per format writes one code per element and returns the sum
-    of the move probabilities; the counts come from one bincount per pack, laid out as
-    :func:`_layout_for` says, and everything reaches Python in one transfer."""
-    edges = tuple(edges)   # (a key of the parameter cache)
-    layouts = [_layout_for(pack, rand_bits) for pack, _, _ in pairs]
-    parts = [part for fmt in formats for layout, (pack, old, new) in zip(layouts, pairs)
-             for part in _count_parts(layout, pack, old, new, fmt, edges, rand_bits)]
-    values = torch.cat(parts).tolist() if parts else []          # one transfer
-    out, at = [], 0
-    for _ in formats:
-        moved, frozen, fewbit, hist = 0.0, [], 0, [0] * 64
-        for layout, (pack, _, _) in zip(layouts, pairs):
-            m, f, few, h, used = _fold_counts(layout, pack, values, at)
-            moved += m
-            fewbit += few
-            frozen += [int(x) for x in f]
-            hist = [a + b for a, b in zip(hist, h)]
-            at += used
-        out.append(FreezeCounts(moved, frozen, int(fewbit), [int(c) for c in hist[:len(edges) + 1]]))
-    return out
-
-
 class StepTracker:
     """What :class:`FreezeObserver` and :class:`FreezePredictor` share: a snapshot of the tracked
     tensors taken by :meth:`before_step`, just before ``optimizer.step()``, compared with their
     new values by :meth:`after_step`, just after it, which adds one point per step to the
     records. The snapshot lives in buffers kept from step to step (one copy of the tracked
-    tensors), one per pack of :func:`lowprec_demo._packing.packs`: a large tensor alone, or a
+    tensors), one per pack of :func:`lowprec_demo.packing.packs`: a large tensor alone, or a
     run of small ones, so that a step costs a few operations per pack rather than per tensor.
     In a pack of several tensors each tensor starts at a multiple of
-    :data:`lowprec_demo._fused.BLOCK` elements and zeros fill the gaps (the same zeros in every
+    :data:`lowprec_demo.kernels.BLOCK` elements and zeros fill the gaps (the same zeros in every
     buffer of the pack): the kernels count per block, and a tensor's count is the sum of its
     blocks' (one weighted bincount over the blocks, not an operation over the elements). The
     tracked tensors may change between steps (optimizer state appears after the first one).
@@ -400,7 +282,7 @@ class StepTracker:
         layout = self._layout_of(current)
         if layout != self._layout:
             names = list(current)
-            self._packs = packs([v.detach() for v in current.values()], block=_fused.BLOCK)
+            self._packs = packs([v.detach() for v in current.values()], block=kernels.BLOCK)
             self._names = [[names[i] for i in pack.indices] for pack in self._packs]
             self._snapshots = [pack.zeros() for pack in self._packs]
             self._snapshot_views = [pack.views(buffer) for pack, buffer in zip(self._packs, self._snapshots)]
@@ -470,8 +352,8 @@ class FreezeObserver(StepTracker):
         if packed is None:
             pairs = [(name, int((new == old).sum().item()), new.numel()) for name, old, new in self._pairs()]
         else:  # one comparison per pack, one transfer of all the counts
-            counts = torch.cat([pack.per_tensor(_fused.changed_blocks(old, pack.flat(now))) if pack.several
-                                else _fused.equal_count(old, pack.flat(now)).reshape(1)
+            counts = torch.cat([pack.per_tensor(kernels.changed_blocks(old, pack.flat(now))) if pack.several
+                                else kernels.equal_count(old, pack.flat(now)).reshape(1)
                                 for pack, _, old, now in packed]).tolist()
             pairs, start = [], 0
             for pack, names, _, _ in packed:   # several tensors: changed elements counted, one: equal ones
@@ -540,7 +422,7 @@ class FreezePredictor(StepTracker):
         ``optimizer.step()``)."""
         packed = self._packed_now()
         fused = packed is not None and all(
-            _fused.fits(old, fmt) for _, _, old, _ in packed for fmt in self.formats)
+            kernels.fits(old, fmt) for _, _, old, _ in packed for fmt in self.formats)
         if fused:
             self._after_step_packed(packed)
         else:

@@ -31,7 +31,7 @@ Stochastic rounding (SR)
     freezes again.
 
 Speed
-    float32 tensors are rounded by the fused kernels of :mod:`lowprec_demo._fused`: integer
+    float32 tensors are rounded by the fused kernels of :mod:`lowprec_demo.kernels`: integer
     arithmetic on the bit patterns, compiled by ``torch.compile`` into one pass over memory once
     the work is large enough to be worth compiling, and run eagerly otherwise (the same bits
     either way). Where torch has the format's dtype and its cast is the exact rounding with the
@@ -52,8 +52,9 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from . import _fused
+from . import bit_kernels, kernels
 from .formats import FloatFormat, check_overflow_policy, get_format
+from .freeze_rule import LAYOUTS, RATIO_EDGES, freeze_elements, move_share, rule_params
 
 __all__ = ["quantize", "quantize_", "ulp", "would_freeze", "move_probability", "update_ulp_ratio", "decay_rounds_back",
            "ROUNDING_MODES", "random_bits"]
@@ -142,7 +143,7 @@ def _draw_seed(generator: GeneratorLike) -> int:
 def random_bits(shape, seed: int, stream: int = 0, device=None) -> torch.Tensor:
     """32 random bits per element (int64 values in [0, 2^32)), a pure function of
     ``(seed, stream, element index)``: identical on every device and process. The hash is
-    :func:`lowprec_demo._fused.hash32`, the one the stochastic-rounding kernel draws.
+    :func:`lowprec_demo.bit_kernels.hash32`, the one the stochastic-rounding kernel draws.
 
     Example:
         >>> random_bits((3,), seed=1).tolist() == random_bits((3,), seed=1).tolist()
@@ -152,8 +153,8 @@ def random_bits(shape, seed: int, stream: int = 0, device=None) -> torch.Tensor:
     if numel > 1 << 32:
         raise ValueError(f"random_bits numbers at most 2**32 elements (32-bit indices); got {numel}")
     index = torch.arange(numel, dtype=torch.int32 if numel <= 1 << 31 else torch.int64, device=device)
-    s1, s2 = _fused.seed_words(seed, stream)
-    return (_fused.hash32(index.to(torch.int32), s1, s2).to(torch.int64) & _M32).view(shape)
+    s1, s2 = bit_kernels.seed_words(seed, stream)
+    return (bit_kernels.hash32(index.to(torch.int32), s1, s2).to(torch.int64) & _M32).view(shape)
 
 
 def _uniform_ints(shape, nbits: int, seed: int, device) -> torch.Tensor:
@@ -209,10 +210,10 @@ def _nearest_magic(a: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
 
 def _nearest_magnitude(a: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
     """RNE of non-negative ``a`` onto the grid of ``fmt`` continued above ``max``; in place.
-    float32: the kernel :func:`lowprec_demo._fused.rne_fp32` (run as the caller's mode says);
+    float32: the kernel :func:`lowprec_demo.bit_kernels.rne_fp32` (run as the caller's mode says);
     float64: one exact floating-point addition (:func:`_nearest_magic`)."""
     if a.dtype == torch.float32:
-        return a.copy_(_fused.nearest(a, fmt, None))
+        return a.copy_(kernels.nearest(a, fmt, None))
     spec = _SPECS[a.dtype]
     drop = spec.man_bits - fmt.man_bits
     if drop == 0:
@@ -229,7 +230,7 @@ def _nearest_magnitude(a: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
 # stochastic rounding on magnitudes
 # ------------------------------------------------------------------------------------------------
 def _stochastic_general(a: torch.Tensor, fmt: FloatFormat, seed: int, rand_bits: Optional[int]) -> torch.Tensor:
-    """SR of float64 input (float32 input goes through :func:`lowprec_demo._fused.sr_fp32`) by
+    """SR of float64 input (float32 input goes through :func:`lowprec_demo.bit_kernels.sr_fp32`) by
     an error-free transformation: n = RNE(a) is the nearest neighbour and err = a - n is
     exact (Sterbenz); the other neighbour is one gap away on err's side, taken with probability
     |err| / gap."""
@@ -339,11 +340,11 @@ def quantize(x: torch.Tensor, fmt: Union[str, FloatFormat], rounding: str = "nea
         if x.dtype == torch.float32:
             # the kernel, compiled when worth it (the CPU's float8 casts are slow); else torch's
             # cast where there is one, or the kernel function run eagerly
-            return _fused.nearest(x, fmt, policy, eager=(lambda: x.to(native).float()) if native is not None else None)
+            return kernels.nearest(x, fmt, policy, eager=(lambda: x.to(native).float()) if native is not None else None)
         return _generic_nearest(x, fmt, policy)
     seed = _draw_seed(generator)
-    if x.dtype == torch.float32 and x.numel() <= _fused.MAX_NUMEL:
-        return _fused.stochastic(x, fmt, policy, rand_bits, seed)
+    if x.dtype == torch.float32 and x.numel() <= kernels.MAX_NUMEL:
+        return kernels.stochastic(x, fmt, policy, rand_bits, seed)
     r = _stochastic_general(x.abs(), fmt, seed, rand_bits)
     return _apply_overflow(r, fmt, policy).copysign_(x)
 
@@ -359,8 +360,8 @@ def quantize_(x: torch.Tensor, fmt: Union[str, FloatFormat], rounding: str = "ne
     neighbour away from zero with probability ``(|x| - lo) / gap``, so ``E[q(x)] = x``.
 
     A contiguous float32 tensor is rounded where it lies: by torch's own cast where that is the
-    same rounding, else by the kernels of :mod:`lowprec_demo._fused`, compiled when the mode
-    says so (:func:`lowprec_demo._fused.set_mode`) and run eagerly otherwise; any other tensor
+    same rounding, else by the kernels of :mod:`lowprec_demo.kernels`, compiled when the mode
+    says so (:func:`lowprec_demo.kernels.set_mode`) and run eagerly otherwise; any other tensor
     through :func:`quantize`.
 
     Example:
@@ -369,14 +370,14 @@ def quantize_(x: torch.Tensor, fmt: Union[str, FloatFormat], rounding: str = "ne
     """
     fmt, policy = _checked(x, fmt, rounding, rand_bits, overflow)
     with torch.no_grad():
-        if x.dtype != torch.float32 or not x.is_contiguous() or x.numel() > _fused.MAX_NUMEL:
+        if x.dtype != torch.float32 or not x.is_contiguous() or x.numel() > kernels.MAX_NUMEL:
             return x.copy_(quantize(x, fmt, rounding, generator, rand_bits, policy))
         if rounding == "stochastic":
-            return _fused.stochastic_(x, fmt, policy, rand_bits, _draw_seed(generator))
+            return kernels.stochastic_(x, fmt, policy, rand_bits, _draw_seed(generator))
         native = _native_dtype(x, fmt, policy)
         if native == x.dtype:  # the grid holds every float32 value: nothing to do
             return x
-        return _fused.nearest_(x, fmt, policy, eager=(lambda: x.copy_(x.to(native))) if native is not None else None)
+        return kernels.nearest_(x, fmt, policy, eager=(lambda: x.copy_(x.to(native))) if native is not None else None)
 
 
 def _generic_nearest(x: torch.Tensor, fmt: FloatFormat, policy: str) -> torch.Tensor:
@@ -424,31 +425,27 @@ def ulp(x: torch.Tensor, fmt: Union[str, FloatFormat]) -> torch.Tensor:
     return out.to(x.dtype)
 
 
-def _side_gap(w: torch.Tensor, d: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
-    """The distance from grid value ``w`` to its neighbour on the side ``d`` points to. Moving
-    toward zero from a power of two above the smallest normal the grid is twice as fine."""
-    a = w.abs()
-    spec = _SPECS[a.dtype]
-    bits = a.view(spec.itype)
-    exponent = bits >> spec.man_bits
-    inward = (d != 0) & (w != 0) & ((d > 0) != (w > 0))
-    power_of_two = (bits & spec.mant_mask) == 0
-    exponent -= (inward & power_of_two).to(spec.itype)
-    exponent.clamp_(min=fmt.e_min + spec.bias)
-    return _pow2(exponent - (spec.bias + fmt.man_bits), a.dtype)
+def _rule(w: torch.Tensor, d: torch.Tensor, fmt: FloatFormat, overflow: Optional[str] = None,
+          rand_bits: Optional[int] = None) -> tuple:
+    """``(frozen, ratio, stuck)`` of :func:`lowprec_demo.freeze_rule.freeze_elements` at ``q(w)``
+    for the update ``d`` (broadcast, promoted to float32 or float64), the ratio divided exactly."""
+    w, d = _prepare_pair(w, d, fmt)
+    layout = LAYOUTS[w.dtype]
+    p = torch.tensor(rule_params(fmt, rand_bits, RATIO_EDGES, layout, overflow), dtype=layout.itype, device=w.device)
+    signed = w.contiguous().view(layout.itype)
+    return freeze_elements(signed & layout.abs_mask, signed, d.contiguous(), p, layout, divide=True)
 
 
 def update_ulp_ratio(w: torch.Tensor, d: torch.Tensor, fmt: Union[str, FloatFormat]) -> torch.Tensor:
-    """``|d| / gap``: the update measured in grid spacings on its own side of ``q(w)``. Round to
-    nearest freezes below 1/2; SR moves with probability min(1, ratio).
+    """``|d| / gap``: the update measured in grid spacings on its own side of ``q(w)``
+    (:mod:`lowprec_demo.freeze_rule`). Round to nearest freezes below 1/2; SR moves with
+    probability min(1, ratio).
 
     Example:
         >>> update_ulp_ratio(torch.tensor([1.0, 1.0]), torch.tensor([2**-9, -2**-9]), "bf16").tolist()
         [0.25, 0.5]
     """
-    fmt = get_format(fmt)
-    w, d = _prepare_pair(w, d, fmt)
-    return d.abs() / _side_gap(w, d, fmt)
+    return _rule(w, d, get_format(fmt))[1]
 
 
 def _prepare_pair(w: torch.Tensor, d: torch.Tensor, fmt: FloatFormat):
@@ -461,14 +458,16 @@ def _prepare_pair(w: torch.Tensor, d: torch.Tensor, fmt: FloatFormat):
 
 def would_freeze(w: torch.Tensor, d: torch.Tensor, fmt: Union[str, FloatFormat],
                  overflow: Optional[str] = None) -> torch.Tensor:
-    """Whether round-to-nearest of the exact sum ``q(w) + d`` gives back ``q(w)``, element-wise.
+    """Whether round-to-nearest of the exact sum ``q(w) + d`` gives back ``q(w)``, element-wise
+    (:mod:`lowprec_demo.freeze_rule`, the one implementation of the rule).
 
     The rule: frozen exactly when ``|d| < gap/2``, or ``|d| == gap/2`` and ``q(w)`` is an even
     multiple of gap (the tie goes to the even neighbour; for m >= 1 that is an even last mantissa
     bit), where gap is the spacing on d's side:
     ``ulp(w)``, except moving toward zero from a power of two above the smallest normal, where the
-    grid below is twice as fine and the threshold is ``ulp(w)/4``. A saturating format also keeps
-    ``+-max`` under any outward update. Infinite weights stay frozen; NaN never counts as frozen.
+    grid below is twice as fine and the threshold is ``ulp(w)/4``. A saturating format (or
+    ``overflow="saturate"``) also keeps ``+-max`` under any outward update; where it overflows to
+    inf, an infinite weight stays under any finite update. NaN never counts as frozen.
 
     Example:
         >>> would_freeze(torch.tensor([1.0, 1.0, 1.0]), torch.tensor([2**-8, -2**-9, -2**-9 - 2**-12]), "bf16").tolist()
@@ -477,16 +476,7 @@ def would_freeze(w: torch.Tensor, d: torch.Tensor, fmt: Union[str, FloatFormat],
     fmt = get_format(fmt)
     policy = fmt.overflow if overflow is None else overflow
     check_overflow_policy(fmt, policy)
-    w, d = _prepare_pair(w, d, fmt)
-    gap = _side_gap(w, d, fmt)
-    twice = d.abs() * 2  # compared with gap rather than |d| with gap / 2, which can underflow
-    even = torch.remainder(w.abs() / gap, 2.0) == 0
-    frozen = (twice < gap) | ((twice == gap) & even)
-    if policy == "saturate":
-        outward = (d != 0) & ((d > 0) == (w > 0))
-        frozen |= (w.abs() == fmt.max) & outward
-    frozen |= torch.isinf(w) & (torch.isfinite(d) | (d == w))
-    return frozen & ~torch.isnan(w) & ~torch.isnan(d)
+    return _rule(w, d, fmt, policy)[0]
 
 
 def move_probability(w: torch.Tensor, d: torch.Tensor, fmt: Union[str, FloatFormat],
@@ -495,7 +485,7 @@ def move_probability(w: torch.Tensor, d: torch.Tensor, fmt: Union[str, FloatForm
     ``min(1, |d|/gap)``; with k random bits the position in the gap is resolved to k bits,
     ``round(|d|/gap * 2**k) / 2**k``, so updates below ``2**-(k+1)`` gaps never move. An
     infinite ``q(w)`` never moves under a finite update (or one of its own sign), nor does
-    ``+-max`` of a saturating format under an outward one.
+    ``+-max`` of a saturating format under an outward one (:mod:`lowprec_demo.freeze_rule`).
 
     Example:
         >>> move_probability(torch.tensor([1.0]), torch.tensor([2**-10]), "bf16").tolist()
@@ -503,11 +493,5 @@ def move_probability(w: torch.Tensor, d: torch.Tensor, fmt: Union[str, FloatForm
     """
     _check_rand_bits(rand_bits)
     fmt = get_format(fmt)
-    w, d = _prepare_pair(w, d, fmt)
-    ratio = (d.abs() / _side_gap(w, d, fmt)).clamp_(max=1.0)
-    if rand_bits is not None:
-        ratio = ratio.mul_(2.0**rand_bits).round_().div_(2.0**rand_bits)
-    stuck = torch.isinf(w) & (torch.isfinite(d) | (d == w))
-    if fmt.overflow == "saturate":
-        stuck |= (w.abs() == fmt.max) & (d != 0) & ((d > 0) == (w > 0))
-    return ratio.masked_fill_(stuck, 0.0)
+    _, ratio, stuck = _rule(w, d, fmt)
+    return move_share(ratio, stuck, rand_bits or 0)

@@ -54,6 +54,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from . import kernels
 from .formats import FloatFormat, get_format
 from .optimizer import LowPrecisionOptimizer
 from .prediction import FreezeRecord, freeze_step
@@ -328,17 +329,13 @@ class FreezeWatch:
             update = new - old
             lrs = torch.tensor([self._lr_now[self._group[n]] for n in self.tracked], dtype=torch.float64)
             log_lr = torch.log2(lrs.clamp(min=1e-300)).to(torch.float32).to(new.device)[plan.tensor_id]
-            magnitude = old.abs()
             for i, fmt in enumerate(self.formats_given):
-                ratio = update_ulp_ratio(old, update, fmt)   # |d| / gap at q(old), exact: the gap is a power of two
-                frozen = ratio < 0.5                         # the freeze rule; a tie goes to the even neighbour
-                moves = ratio.clamp(max=1.0)
-                # ties, and weights that may round to +-max or be infinite (where a saturating
-                # format keeps +-max under an outward step), take the rule itself
-                edge = (ratio == 0.5) | ~(magnitude < fmt.max / 2)
-                if bool(edge.any()):
-                    frozen[edge] = would_freeze(old[edge], update[edge], fmt)
-                    moves[edge] = move_probability(old[edge], update[edge], fmt).to(moves.dtype)
+                # the freeze rule at q(old): frozen, the move probability and |d| / gap
+                if kernels.fits(old, fmt):
+                    frozen, moves, ratio = kernels.freeze_share(old, new, fmt)
+                else:
+                    frozen, moves = would_freeze(old, update, fmt), move_probability(old, update, fmt)
+                    ratio = update_ulp_ratio(old, update, fmt)
                 columns += [frozen, moves]
                 if i == 0:
                     columns.append(frozen & has_grad)

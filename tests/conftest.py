@@ -20,7 +20,7 @@ import os
 import pytest
 import torch
 
-from lowprec_demo import _fused
+from lowprec_demo import kernels
 
 # variables whose value changes what the package loads or computes
 WATCHED_ENV_PREFIXES = ("LOWPREC_", "OMP_", "MKL_")
@@ -32,7 +32,7 @@ def _snapshot() -> dict:
         "torch default dtype": torch.get_default_dtype(),
         "torch deterministic algorithms": torch.are_deterministic_algorithms_enabled(),
         "torch grad mode": torch.is_grad_enabled(),
-        "kernel compile mode": _fused.get_mode(),
+        "kernel compile mode": kernels.get_mode(),
         "environment": {k: v for k, v in os.environ.items() if k.startswith(WATCHED_ENV_PREFIXES)},
     }
 
@@ -42,7 +42,7 @@ def _restore(before: dict) -> None:
     torch.set_default_dtype(before["torch default dtype"])
     torch.use_deterministic_algorithms(before["torch deterministic algorithms"])
     torch.set_grad_enabled(before["torch grad mode"])
-    _fused.set_mode(before["kernel compile mode"])
+    kernels.set_mode(before["kernel compile mode"])
     for key in [k for k in os.environ if k.startswith(WATCHED_ENV_PREFIXES)]:
         if key not in before["environment"]:
             del os.environ[key]
