@@ -24,16 +24,19 @@ Measures in one run, side by side, and prints tables with ratios:
   Python process, compiling included where its mode compiles).
 
 Timings are medians over rounds in which every variant runs once (a training step shorter than a
-quarter of a second several times in a row), so a machine whose load changes during the run
-slows all of them alike; a training step's ratio to the plain step is the median over the rounds
-of the ratio within each round (the tables show the quartiles of those ratios too: how far they
-move from round to round on the machine). The tables end with a summary of every ratio against the
-performance targets (:data:`TARGETS`). ``--device cuda`` runs the same on a GPU; ``--quick`` is
-a small version at sizes that are not the targets' (its summary says so): 3 min 20 s and 4 min
-30 s in two runs on a shared, loaded 2-core CPU (compiling the fused kernels took 70 s of the
-first and 14 s of the second, torch's compile cache then warm); about a minute on a GPU,
-compilation included. ``--out`` writes everything as JSON (atomically), and ``--summary-of FILE`` prints the tables of
-such a file again without measuring.
+quarter of a second several times in a row; :func:`lowprec_demo.timing.median_times`), so a
+machine whose load changes during the run slows all of them alike; a training step's ratio to the
+plain step is the median over the rounds of the ratio within each round (the tables show the
+quartiles of those ratios too: how far they move from round to round on the machine). The tables
+(:func:`lowprec_demo.bench_report.report`) end with a summary of every ratio against the
+performance targets (:func:`lowprec_demo.bench_report.summary`,
+:data:`lowprec_demo.bench_report.TARGETS`); the result names the machine
+(:func:`lowprec_demo.machine.machine_record`). ``--device cuda`` runs the same on a GPU;
+``--quick`` is a small version at sizes that are not the targets' (its summary says so): 3 min
+20 s and 4 min 30 s in two runs on a shared, loaded 2-core CPU (compiling the fused kernels took
+70 s of the first and 14 s of the second, torch's compile cache then warm); about a minute on a
+GPU, compilation included. ``--out`` writes everything as JSON (atomically), and
+``--summary-of FILE`` prints the tables of such a file again without measuring.
 
 Example:
     ``python -m lowprec_demo.bench --threads 1 --out bench.json``
@@ -42,29 +45,29 @@ Example:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
-import os
 import statistics
 import sys
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Dict, List, Optional
 
 import torch
 
 from . import _fused
+from .bench_report import report, summary
 from .experiments import get_experiment, make_config
 from .formats import get_format
+from .machine import compiler_vector_width, cpu_vector_extensions, load_average, machine_record
 from .optimizer import LowPrecisionOptimizer
 from .prediction import FreezeObserver, FreezePredictor
 from .watch import watch
 from .rounding import quantize
-from .results import atomic_write_json, cpuinfo, provenance
+from .results import atomic_write_json
+from .timing import median_times, peak_extra_bytes
 from .training import lowprec_named_params, make_optimizer, variant_wrapper
 
-__all__ = ["run", "main", "summary", "report", "build_model", "bench_first_call", "bench_split", "cpu_identity",
-           "cpu_label", "cpu_vector_extensions", "QUANTIZE_FORMATS", "MODELS", "TARGETS"]
+__all__ = ["run", "main", "build_model", "bench_first_call", "bench_split", "QUANTIZE_FORMATS", "MODELS"]
 
 # (format, torch dtype of its native round trip or None)
 QUANTIZE_FORMATS = [("bf16", torch.bfloat16), ("fp16", torch.float16), ("e4m3", torch.float8_e4m3fn),
@@ -85,163 +88,6 @@ VARIANTS = ("plain", "nearest", "stochastic", "nearest+observer", "plain+predict
 # request (--variants), whole steps only
 REMEDY_VARIANTS = ("kahan", "kahan_lp", "master", "nearest_state", "stochastic_state")
 STEP_SECONDS = 0.25   # a training step shorter than this is timed over several steps in a row
-
-
-# ------------------------------------------------------------------------------------------------
-# measuring
-# ------------------------------------------------------------------------------------------------
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def _rounds(cases: Dict[str, Callable[[], object]], device: str, repeats: int, warmup: int = 1,
-            min_seconds: float = 0.0, per_round: Optional[dict] = None) -> Dict[str, float]:
-    """Median seconds of each case. Every round runs every case, starting one case later each
-    round, so that neither a changing machine load nor the position in the round (caches warmed
-    by the case before) favours one case. A case faster than ``min_seconds`` runs several times
-    in a row within a round (as many as the slowest case of the warmup needs to last that long,
-    the same for every case), and its time is the mean of those runs: short steps are timed
-    over a span long enough for the clock and the scheduler. ``per_round``, if given, receives
-    every case's time in every round (a list per case, in round order)."""
-    slowest = 0.0
-    for _ in range(warmup):
-        for fn in cases.values():
-            _sync(device)
-            start = time.perf_counter()
-            fn()
-            _sync(device)
-            slowest = max(slowest, time.perf_counter() - start)
-    inner = max(1, math.ceil(min_seconds / slowest)) if min_seconds > 0 and slowest > 0 else 1
-    names = list(cases)
-    times: Dict[str, List[float]] = {name: [] for name in cases}
-    for r in range(repeats):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            fn = cases[name]
-            _sync(device)
-            start = time.perf_counter()
-            for _ in range(inner):
-                fn()
-            _sync(device)
-            times[name].append((time.perf_counter() - start) / inner)
-    if per_round is not None:
-        per_round.update(times)
-    return {name: statistics.median(ts) for name, ts in times.items()}
-
-
-@contextlib.contextmanager
-def _quiet_kineto():
-    """Keep the profiler's library (kineto) from writing two lines to stderr every time it starts
-    and stops (``USDT: ... SyncActivityProfilerHandler.cpp:52] profiler_start``). Kineto reads
-    ``KINETO_LOG_LEVEL`` when a profile starts; 6 lies above its highest level (USDT, 5), so
-    nothing is logged, its own errors included (a failed profile still raises, and the caller
-    then reports no memory). A level the user set is left alone."""
-    if "KINETO_LOG_LEVEL" in os.environ:
-        yield
-        return
-    os.environ["KINETO_LOG_LEVEL"] = "6"
-    try:
-        yield
-    finally:
-        os.environ.pop("KINETO_LOG_LEVEL", None)
-
-
-def _peak_extra_bytes(fn: Callable[[], object], device: str) -> Optional[int]:
-    """The most memory ``fn`` holds at once beyond what was allocated before it: on a GPU the
-    CUDA allocator's peak; on the CPU the running sum of the allocations and frees torch's
-    profiler records (every tensor torch allocates, compiled code included). None if neither
-    works."""
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        out = fn()
-        torch.cuda.synchronize()
-        del out
-        return torch.cuda.max_memory_allocated() - before
-    try:
-        from torch.profiler import ProfilerActivity, profile
-        with _quiet_kineto(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            out = fn()
-            del out
-        running = peak = 0
-        for event in sorted(prof.events(), key=lambda e: e.time_range.start):
-            running += event.self_cpu_memory_usage
-            peak = max(peak, running)
-        return peak
-    except Exception:
-        return None
-
-
-#: the CPU flags that name vector extensions (x86: /proc/cpuinfo; Arm: "asimd" is NEON)
-VECTOR_FLAGS = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
-                "amx_tile", "asimd", "sve", "sve2")
-
-
-#: the /proc/cpuinfo fields that tell one processor of the same model name from another (virtual
-#: machines often report only "AMD EPYC" or "Intel(R) Xeon(R) Processor"): the name each takes and
-#: how its value is read
-CPU_FIELDS = {"vendor_id": ("vendor", str), "cpu family": ("family", int), "model": ("model", int),
-              "stepping": ("stepping", int), "cpu MHz": ("mhz", float), "cache size": ("cache", str)}
-
-
-def cpu_identity() -> dict:
-    """Which processor this is beyond its model name: vendor, family, model and stepping, clock
-    (MHz, as the kernel reports it) and the cache size ``/proc/cpuinfo`` gives for its first
-    processor (:func:`lowprec_demo.results.cpuinfo`; empty where there is no such file; a value
-    that does not read as its type is kept as written). Two virtual machines that both say
-    "AMD EPYC" can be different generations at different clocks.
-
-    Example: ``cpu_identity()`` -> ``{"vendor": "AuthenticAMD", "family": 23, "model": 1, ...}``."""
-    found = {}
-    for key, value in cpuinfo().items():
-        if key in CPU_FIELDS:
-            name, read = CPU_FIELDS[key]
-            try:
-                found[name] = read(value)
-            except ValueError:
-                found[name] = value
-    return found
-
-
-def cpu_label(identity: dict) -> str:
-    """:func:`cpu_identity` in a few words: ``"family 23 model 1 stepping 2, 1996 MHz, cache 512 KB"``."""
-    parts = [" ".join(f"{k} {identity[k]}" for k in ("family", "model", "stepping") if k in identity)]
-    if "mhz" in identity:
-        parts.append(f"{identity['mhz']:.0f} MHz")
-    if "cache" in identity:
-        parts.append(f"cache {identity['cache']}")
-    return ", ".join(p for p in parts if p)
-
-
-def cpu_vector_extensions() -> dict:
-    """The CPU's vector extensions: the flags of :data:`VECTOR_FLAGS` its ``/proc/cpuinfo``
-    lists for the first processor (x86 "flags", Arm "Features"; empty where there is no such
-    file) and the widest instruction set torch's own CPU kernels use
-    (``torch.backends.cpu.get_cpu_capability()``, e.g. ``"AVX2"``).
-
-    Example: ``cpu_vector_extensions()["torch_capability"]`` -> ``"AVX2"``."""
-    fields = cpuinfo()
-    flags = set((fields.get("flags") or fields.get("Features") or "").split())
-    try:
-        capability = torch.backends.cpu.get_cpu_capability()
-    except Exception:   # older torch
-        capability = None
-    return {"flags": [f for f in VECTOR_FLAGS if f in flags], "torch_capability": capability}
-
-
-def _machine(device: str) -> dict:
-    """The machine a benchmark ran on: :func:`lowprec_demo.results.provenance` (versions, device
-    and CPU model, commit, date) with the CPU's vector extensions, the thread count and the load
-    average at the start."""
-    p = provenance(device)
-    load = os.getloadavg() if hasattr(os, "getloadavg") else None
-    return {"date": p["date"], "device": device, "package_version": p["package_version"],
-            "git_commit": p["git_commit"], "device_name": p["device_name"], "cpu_count": os.cpu_count(),
-            "cpu_vector_extensions": cpu_vector_extensions(), "cpu": cpu_identity() if device == "cpu" else None,
-            "threads": torch.get_num_threads(), "torch": p["torch_version"], "python": p["python_version"],
-            "platform": p["hostname_platform"],
-            "load_average_start": None if load is None else [round(v, 2) for v in load]}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -279,8 +125,8 @@ def bench_quantize(n: int, device: str, repeats: int, eager: bool = True) -> Lis
                      "quantize": lambda f=name, r=rounding: quantize(x, f, r, generator=1)}
             previous = _fused.set_mode("on")
             try:
-                t = _rounds(cases, device, repeats)
-                extra = _peak_extra_bytes(cases["quantize"], device)
+                t = median_times(cases, device, repeats)
+                extra = peak_extra_bytes(cases["quantize"], device)
             finally:
                 _fused.set_mode(previous)
             row = {"format": name, "rounding": rounding, "n": n,
@@ -294,7 +140,7 @@ def bench_quantize(n: int, device: str, repeats: int, eager: bool = True) -> Lis
                 try:
                     # the cold path: the same functions uncompiled, timed in the same rounds as
                     # the native round trip
-                    t = _rounds(cases, device, max(1, repeats // 2), 1)
+                    t = median_times(cases, device, max(1, repeats // 2), 1)
                     row.update(eager_ms=t["quantize"] * 1e3, eager_native_ms=t["native"] * 1e3,
                                eager_ratio=t["quantize"] / t["native"])
                 finally:
@@ -308,17 +154,6 @@ def _hash_only(bits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     (for the split)."""
     r = torch.arange(bits.numel(), dtype=torch.int32, device=bits.device) + p[8]
     return _fused.hash32(r, p[6], p[7])
-
-
-def _compiler_vector_width() -> Optional[str]:
-    """The vector instruction set inductor compiles CPU kernels for here (e.g. ``"avx2"``,
-    256 bits), or None where it cannot say."""
-    try:
-        from torch._inductor import cpu_vec_isa
-        isa = cpu_vec_isa.pick_vec_isa()
-        return f"{isa} ({isa.bit_width()} bits)" if isa else "none (scalar loops)"
-    except Exception:
-        return None
 
 
 def bench_split(n: int, device: str, repeats: int) -> dict:
@@ -343,11 +178,11 @@ def bench_split(n: int, device: str, repeats: int) -> dict:
              "stochastic": lambda: compiled["stochastic"](bits, ps)}
     try:
         with torch.no_grad():
-            t = _rounds(cases, device, repeats)
+            t = median_times(cases, device, repeats)
     except Exception as error:  # no compiler here: nothing to split
         return {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"}
     return {"n": n, "ms": {k: v * 1e3 for k, v in t.items()}, "to_native": {k: v / t["native"] for k, v in t.items()},
-            "compiler_vector_width": _compiler_vector_width() if device == "cpu" else None,
+            "compiler_vector_width": compiler_vector_width() if device == "cpu" else None,
             "cpu_vector_extensions": cpu_vector_extensions() if device == "cpu" else None}
 
 
@@ -415,9 +250,9 @@ def bench_libraries(n: int, device: str, repeats: int) -> List[dict]:
             for rounding in ("nearest", "stochastic"):
                 row = {"library": lib, "format": name, "rounding": rounding, "n": n}
                 try:
-                    t = _rounds({"lib": lambda f=fn, q=fmt, r=rounding: f(x, q, r),
-                                 "quantize": lambda q=fmt, r=rounding: quantize(x, q, r, generator=1)},
-                                device, repeats)
+                    t = median_times({"lib": lambda f=fn, q=fmt, r=rounding: f(x, q, r),
+                                      "quantize": lambda q=fmt, r=rounding: quantize(x, q, r, generator=1)},
+                                     device, repeats)
                     row.update(lib_ms=t["lib"] * 1e3, quantize_ms=t["quantize"] * 1e3,
                                ratio_lib_to_quantize=t["lib"] / t["quantize"])
                     if rounding == "nearest":
@@ -491,7 +326,7 @@ def bench_training(model_name: str, device: str, repeats: int, variants=VARIANTS
         return step
     cases = {v: step_of(*setups[v], hooked=v == "plain+watch") for v in variants}
     rounds: Dict[str, List[float]] = {}
-    times = _rounds(cases, device, repeats, min_seconds=STEP_SECONDS, per_round=rounds)
+    times = median_times(cases, device, repeats, min_seconds=STEP_SECONDS, per_round=rounds)
     # the added work alone (no forward, backward or AdamW around it): less noisy than a
     # difference of whole steps, though a little cheaper than inside a step (warmer caches).
     # The trackers see a real update: the weights before and after one plain AdamW step are
@@ -527,7 +362,8 @@ def bench_training(model_name: str, device: str, repeats: int, variants=VARIANTS
             "predictor": lambda: across_update(predictor), "watch": lambda: across_update(watcher)}
     needed = {"copies"} | {{"nearest+observer": "observer", "plain+predictor": "predictor", "plain+watch": "watch"}.get(v, v)
                            for v in variants if v != "plain"} | ({"nearest"} if "nearest+observer" in variants else set())
-    parts = _rounds({k: f for k, f in jobs.items() if k in needed}, device, repeats, min_seconds=STEP_SECONDS)
+    parts = median_times({k: f for k, f in jobs.items() if k in needed}, device, repeats,
+                         min_seconds=STEP_SECONDS)
     observe = max(0.0, parts.get("observer", 0.0) - parts["copies"])
     alone = {"plain": 0.0, "nearest": parts.get("nearest", 0.0), "stochastic": parts.get("stochastic", 0.0),
              "nearest+observer": parts.get("nearest", 0.0) + observe,
@@ -539,7 +375,7 @@ def bench_training(model_name: str, device: str, repeats: int, variants=VARIANTS
     peaks = {}
     for v in variants:   # each from the same state: gradients released, optimizer state made
         inner.zero_grad(set_to_none=True)
-        peaks[v] = _peak_extra_bytes(cases[v], device)
+        peaks[v] = peak_extra_bytes(cases[v], device)
     # the ratio within each round (the variant and the plain step timed minutes apart at most,
     # under the same load); the reported ratio is their median
     ratios = {v: [a / b for a, b in zip(rounds[v], rounds["plain"])] for v in variants}
@@ -575,257 +411,15 @@ def bench_scale(sizes: List[int], device: str, repeats: int) -> List[dict]:
     try:
         for n in sizes:
             x = torch.randn(n, device=device)
-            t = _rounds({"native bf16": lambda x=x: x.to(torch.bfloat16).float(),
-                         "nearest e5m3": lambda x=x: quantize(x, "e5m3"),
-                         "stochastic bf16": lambda x=x: quantize(x, "bf16", "stochastic", generator=1)},
-                        device, repeats)
+            t = median_times({"native bf16": lambda x=x: x.to(torch.bfloat16).float(),
+                              "nearest e5m3": lambda x=x: quantize(x, "e5m3"),
+                              "stochastic bf16": lambda x=x: quantize(x, "bf16", "stochastic", generator=1)},
+                             device, repeats)
             rows.append({"n": n, **{f"{k} ms": v * 1e3 for k, v in t.items()},
                          **{f"{k} ns/element": v * 1e9 / n for k, v in t.items()}})
     finally:
         _fused.set_mode(previous)
     return rows
-
-
-# ------------------------------------------------------------------------------------------------
-# printing
-# ------------------------------------------------------------------------------------------------
-def _table(headers: List[str], rows: List[list]) -> str:
-    widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) if rows else len(str(h)) for i, h in enumerate(headers)]
-
-    def line(cells):
-        return "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths)) + " |"
-    return "\n".join([line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in rows])
-
-
-def _spread(t: dict, variant: str) -> str:
-    """The lower and upper quartiles of a variant's per-round ratios (how far the ratio moves
-    from round to round on this machine), "-" where the result has no rounds (older runs, or
-    fewer than two)."""
-    ratios = (t.get("ratio_rounds") or {}).get(variant) or []
-    if len(ratios) < 2:
-        return "-"
-    low, _, high = statistics.quantiles(ratios, n=4, method="inclusive")
-    return f"{low:.3f}-{high:.3f}"
-
-
-def _fmt(value, digits=2) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.{digits}f}"
-    return str(value)
-
-
-def report(result: dict) -> str:
-    """The tables of a :func:`run` result, as Markdown."""
-    m = result["machine"]
-    cpu = f", {cpu_label(m['cpu'])}" if m.get("cpu") else ""
-    out = [f"# lowprec_demo benchmark, {m['date']}",
-           f"{m['device_name']}{cpu} ({m['device']}, {m['threads']} threads of {m['cpu_count']} cores), torch {m['torch']}, "
-           f"load average at start {m['load_average_start']}, fused kernels: {result['fused']['mode']}, "
-           f"lowprec_demo {m.get('package_version')} at commit {m.get('git_commit') or 'unknown'}"]
-    comp = result.get("compile")
-    if comp and "skipped" in comp:
-        out.append(f"\nCompiling the fused kernels: skipped ({comp['skipped']})")
-    elif comp:
-        out.append(f"\nCompiling the fused kernels (first call of each, once per process): "
-                   f"{comp['total_seconds']:.1f} s in all"
-                   + (f"; FAILED, using the eager path: {comp['failed']}" if comp["failed"] else ""))
-    q = result.get("quantize")
-    if q:
-        out.append(f"\n## quantize, {q[0]['n'] / 2**20:g}M float32 elements (ms, median; ratio = quantize / native round trip)")
-        rows = [[r["format"], r["rounding"], f"x.to({r['native_dtype']}).float()" + ("" if r["native_is_own_dtype"] else " *"),
-                 _fmt(r["native_ms"], 1), _fmt(r["quantize_ms"], 1), _fmt(r["ratio"]), _fmt(r["quantize_GBps"]),
-                 _fmt(r.get("eager_ms"), 0), _fmt(r["extra_memory_inputs"])] for r in q]
-        out.append(_table(["format", "rounding", "native round trip", "native", "quantize", "ratio", "GB/s",
-                           "eager", "memory / input"], rows))
-        out.append("(* no torch dtype: compared with the bf16 round trip. GB/s counts one float32 read and one "
-                   "write. eager: with the fused kernels off. memory / input: peak extra memory of one call over the "
-                   "input's size; the result itself is 1.)")
-    split = result.get("split")
-    if split and "ms" in split:
-        out.append(f"\n## Where the warm stochastic rounding's time goes, {split['n'] / 2**20:g}M float32 to bf16 "
-                   f"(compiled; inductor's vector width: {split.get('compiler_vector_width')}; CPU: "
-                   f"{', '.join((split.get('cpu_vector_extensions') or {}).get('flags', [])) or '-'})")
-        labels = {"copy": "x.clone() (one read, one write)", "native": "x.to(bfloat16).float()",
-                  "nearest": "round to nearest (no hash)", "hash": "the hash alone", "stochastic": "stochastic rounding"}
-        out.append(_table(["work", "ms", "/ native round trip"],
-                          [[labels[k], _fmt(v, 2), _fmt(split["to_native"][k])] for k, v in split["ms"].items()]))
-    elif split:
-        out.append(f"\n(where the warm stochastic rounding's time goes: not measured, {split['error']})")
-    libs = result.get("libraries")
-    if libs:
-        out.append("\n## Other libraries (same input; differ = elements of 100k random + edge cases whose "
-                   "nearest result is not the exact one)")
-        rows = []
-        for r in libs:
-            if "error" in r and "format" not in r:
-                rows.append([r["library"], "-", "-", "-", "-", "-", r["error"][:80]])
-            else:
-                note = r.get("error", "")
-                if "differ" in r:
-                    note = f"differ: {r['differ']}" + (f", e.g. (x, theirs, exact) {r['differ_examples'][:2]}"
-                                                      if r["differ"] else "")
-                elif "sr_mean_minus_x_in_gaps" in r:
-                    note = f"mean - x: {r['sr_mean_minus_x_in_gaps']:+.4f} eps"
-                rows.append([r["library"], r["format"], r["rounding"], _fmt(r.get("lib_ms"), 1),
-                             _fmt(r.get("quantize_ms"), 1), _fmt(r.get("ratio_lib_to_quantize")), note[:120]])
-        out.append(_table(["library", "format", "rounding", "library ms", "quantize ms", "library / quantize", "note"],
-                          rows))
-    for t in result.get("training", []):
-        out.append(f"\n## Training step: {t['model']} ({t['params'] / 1e6:.2f}M parameters, {t['format']} on "
-                   f"{t['lowprec_params'] / 1e6:.2f}M of them, batch {t['batch']} x {t['context']} tokens)")
-        rows = [[v, _fmt(t["step_ms"][v], 1), _fmt(t["ratio"][v], 3), _spread(t, v), _fmt(t["added_alone_ms"][v], 1),
-                 _fmt(t["ratio_from_parts"][v], 3), _fmt(t["peak_extra_MB"][v], 0), _fmt(t["held_MB"][v], 0)]
-                for v in t["step_ms"]]
-        out.append(_table(["variant", "step ms", "ratio to plain", "middle half of rounds", "added work alone, ms",
-                           "1 + alone / plain", "peak MB in the step", "MB held between steps"], rows))
-        out.append(f"(parameters {t['memory_MB']['parameters']:.0f} MB, AdamW state "
-                   f"{t['memory_MB']['optimizer_state']:.0f} MB; peak: the most the step allocates beyond them, "
-                   f"gradients and activations included; held: snapshot copies of the tracked tensors and packs)")
-        if "eager_ratio" in t:
-            out.append("with the fused kernels off: " + ", ".join(f"{v} {r:.3f}" for v, r in t["eager_ratio"].items()))
-    s = result.get("scale")
-    if s:
-        out.append("\n## Scale: quantize against tensor size (ns per element)")
-        keys = [k[:-len(" ns/element")] for k in s[0] if k.endswith("ns/element")]
-        out.append(_table(["elements"] + keys,
-                          [[f"{r['n'] / 2**20:g}M"] + [_fmt(r[f"{k} ns/element"]) for k in keys] for r in s]))
-    ms = result.get("model_scale")
-    if ms:
-        out.append("\n## Scale: the tracked step against model size (ms per step; ms per million parameters of "
-                   "overhead over the plain step)")
-        rows = []
-        for t in ms:
-            plain = t["step_ms"]["plain"]
-            rows.append([t["model"], f"{t['params'] / 1e6:.2f}M", _fmt(plain, 1)]
-                        + [f"{_fmt(t['step_ms'][v], 1)} ({_fmt((t['step_ms'][v] - plain) / (t['lowprec_params'] / 1e6), 2)})"
-                           for v in t["step_ms"] if v != "plain"])
-        out.append(_table(["model", "parameters", "plain"] + [v for v in ms[0]["step_ms"] if v != "plain"], rows))
-    return "\n".join(out)
-
-
-#: the performance targets: the most each ratio may be (quantize against the native round trip,
-#: a training step against the plain step)
-TARGETS = {"nearest bf16/fp16": 1.5, "nearest, other formats": 2.5, "stochastic": 3.0, "memory / input": 2.0,
-           "nearest": 1.10, "stochastic step": 1.10, "nearest+observer": 1.15, "plain+predictor": 1.15,
-           "plain+watch": 1.10,
-           # the cold path: compiling off (against the native round trip), and the first call
-           # of a fresh process (seconds, 16M-element stochastic rounding)
-           "cold nearest": 3.0, "cold stochastic": 5.0, "first call seconds": 2.0}
-
-
-#: the sizes the targets are set for: those of the full run on a CPU (``--threads 1``)
-TARGET_SIZES = {"quantize elements": 1 << 24, "models": ("nanogpt-quick", "gpt2")}
-
-#: what follows a missed target in a ``--quick`` run, whose sizes are not the targets'
-QUICK_MARK = "(quick: not comparable)"
-
-
-def _met(value: Optional[float], limit: float) -> str:
-    return "-" if value is None else ("yes" if value <= limit else "no")
-
-
-def _is_quick(result: dict) -> bool:
-    """Whether a result comes from ``--quick`` (older files: read from the command line kept
-    in them)."""
-    if "quick" in result:
-        return bool(result["quick"])
-    return "--quick" in str(result.get("command", "")).split()
-
-
-def _quick_note(result: dict) -> str:
-    """The note above a quick run's judgement: how its sizes differ from the targets'."""
-    q = result.get("quantize") or []
-    models = [t["model"] for t in result.get("training") or []]
-    parts = []
-    if q and q[0]["n"] != TARGET_SIZES["quantize elements"]:
-        parts.append(f"quantize on {q[0]['n'] / 2**20:g}M elements, not "
-                     f"{TARGET_SIZES['quantize elements'] / 2**20:g}M")
-    left_out = [m for m in TARGET_SIZES["models"] if m not in models]
-    if left_out:
-        parts.append(f"no training step of {', '.join(left_out)}")
-    parts.append("fewer timed rounds")
-    return (f"Quick run (--quick): {'; '.join(parts)}. These are not the sizes the targets are set for, so a "
-            f"verdict below is not comparable with the stored full run, and a missed target is marked "
-            f"\"{QUICK_MARK}\". `python -m lowprec_demo.bench --threads 1` measures at the targets' sizes.")
-
-
-def summary(result: dict) -> str:
-    """The ratios of a :func:`run` result against :data:`TARGETS`, as two Markdown tables (the
-    short form the README and the book's introduction show). Training steps are judged both
-    ways the benchmark measures them: the whole step against the plain step, and the added work
-    timed alone over the plain step.
-
-    A ``--quick`` result is judged the same way, under a note that says how its sizes differ from
-    the targets', and each missed target is marked :data:`QUICK_MARK` rather than a bare "no"."""
-    m = result["machine"]
-    quick = _is_quick(result)
-
-    def verdict(text: str) -> str:
-        return f"{text} {QUICK_MARK}" if quick and "no" in text.split() else text
-    out = [_quick_note(result), ""] if quick else []
-    cpu = f", {cpu_label(m['cpu'])}" if m.get("cpu") else ""
-    out += [f"Measured {m['date'][:10]} on {m['device_name']}{cpu} ({m['device']}, {m['threads']} of {m['cpu_count']} "
-           f"cores), torch {m['torch']}, lowprec_demo {m.get('package_version')} at commit "
-           f"{(m.get('git_commit') or 'unknown')[:12]}."]
-    q = result.get("quantize") or []
-    if q:
-        out.append("")
-        rows = []
-        for r in q:
-            nearest = r["rounding"] == "nearest"
-            limit = (TARGETS["nearest bf16/fp16"] if r["format"] in ("bf16", "fp16") else
-                     TARGETS["nearest, other formats"]) if nearest else TARGETS["stochastic"]
-            native = f"x.to({r['native_dtype']}).float()" + ("" if r["native_is_own_dtype"] else " (no own dtype)")
-            rows.append([r["format"], r["rounding"], native, _fmt(r["native_ms"], 1), _fmt(r["quantize_ms"], 1),
-                         _fmt(r["ratio"]), f"<= {limit:g}", verdict(_met(r["ratio"], limit)),
-                         _fmt(r["extra_memory_inputs"]),
-                         verdict(_met(r["extra_memory_inputs"], TARGETS["memory / input"]))])
-        out.append(_table([f"quantize, {q[0]['n'] / 2**20:g}M fp32", "rounding", "native round trip", "native ms",
-                           "quantize ms", "ratio", "target", "met", "memory / input (<= 2)", "met"], rows))
-    cold = [r for r in q if "eager_ratio" in r]
-    if cold:
-        out.append("")
-        rows = []
-        for r in cold:
-            limit = TARGETS["cold nearest" if r["rounding"] == "nearest" else "cold stochastic"]
-            rows.append([r["format"], r["rounding"], _fmt(r["eager_native_ms"], 1), _fmt(r["eager_ms"], 1),
-                         _fmt(r["eager_ratio"]), f"<= {limit:g}", verdict(_met(r["eager_ratio"], limit))])
-        out.append(_table([f"cold path: compiling off, {q[0]['n'] / 2**20:g}M fp32", "rounding", "native ms",
-                           "quantize ms", "ratio", "target", "met"], rows))
-    first = result.get("first_call")
-    if first and "error" not in first:
-        out.append("")
-        rows = []
-        for key in ("bf16 stochastic", "e5m3 nearest"):
-            f = first[key]
-            way = "compiled" if f["calls"].get("compiled") else "eager"
-            limit = TARGETS["first call seconds"] if key == "bf16 stochastic" else None
-            compile_s = f.get("compile_seconds")
-            rows.append([key, _fmt(f["seconds"]), way + (f" (compiling {compile_s:.1f} s)" if compile_s else ""),
-                         "-" if limit is None else f"<= {limit:g}",
-                         "-" if limit is None else verdict(_met(f["seconds"], limit))])
-        out.append(_table([f"first call of a fresh process, {first['n'] / 2**20:g}M fp32 (mode {first['mode']})",
-                           "seconds", "ran", "target", "met"], rows))
-    elif first:
-        out.append(f"\nfirst call of a fresh process: {first['error']}")
-    training = result.get("training") or []
-    if training:
-        out.append("")
-        rows = []
-        for t in training:
-            for v in t["step_ms"]:
-                if v == "plain":
-                    continue
-                limit = TARGETS.get("stochastic step" if v == "stochastic" else v)   # remedies have none
-                step, parts = t["ratio"][v], t["ratio_from_parts"][v]
-                rows.append([t["model"], v, _fmt(t["step_ms"]["plain"], 1), _fmt(t["step_ms"][v], 1), _fmt(step, 3),
-                             _spread(t, v), _fmt(parts, 3), "-" if limit is None else f"<= {limit:g}",
-                             "-" if limit is None else verdict(f"{_met(step, limit)} / {_met(parts, limit)}")])
-        out.append(_table(["training step", "variant", "plain ms", "variant ms", "ratio", "middle half of rounds",
-                           "1 + added alone / plain", "target", "met (ratio / alone)"], rows))
-    return "\n".join(out)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -850,7 +444,7 @@ def run(device: str = "cpu", quick: bool = False, size: Optional[int] = None, re
         models = ["nanogpt-quick", "gpt2"] if (on_gpu or not quick) else ["nanogpt-quick"]
     if scale_sizes is None:
         scale_sizes = [1 << 20, 1 << 22, 1 << 24, 1 << 26] if not quick else [1 << 18, 1 << 20, 1 << 22]
-    result = {"machine": _machine(device), "command": " ".join(sys.argv), "quick": quick}
+    result = {"machine": machine_record(device), "command": " ".join(sys.argv), "quick": quick}
     if compile_kernels:
         say("compiling the fused kernels ...")
         result["compile"] = warm_up(device)
@@ -895,8 +489,7 @@ def run(device: str = "cpu", quick: bool = False, size: Optional[int] = None, re
                 _fused.set_mode(previous)
         result["model_scale"] = sorted(sized, key=lambda t: t["params"])
     result["fused"] = _fused.status()
-    load = os.getloadavg() if hasattr(os, "getloadavg") else None
-    result["machine"]["load_average_end"] = None if load is None else [round(v, 2) for v in load]
+    result["machine"]["load_average_end"] = load_average()
     return result
 
 

@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import test_rounding as TR  # the exhaustive point sets and helpers
 
-from lowprec_demo import _fused, _packing, bench
+from lowprec_demo import _fused, _packing, bench, bench_report, machine, timing
 from lowprec_demo.formats import get_format
 from lowprec_demo.optimizer import LowPrecisionOptimizer
 from lowprec_demo.prediction import RATIO_BINS, FreezeObserver, FreezePredictor, count_freezes
@@ -646,19 +646,19 @@ def test_cpu_identity_reads_the_first_processor(tmp_path, monkeypatch):
     def open_here(path, *args, **kwargs):
         return real_open(info if path == "/proc/cpuinfo" else path, *args, **kwargs)
     monkeypatch.setattr("builtins.open", open_here)
-    identity = bench.cpu_identity()
+    identity = machine.cpu_identity()
     assert identity == {"vendor": "AuthenticAMD", "family": 23, "model": 1, "stepping": 2, "mhz": 1996.248,
                         "cache": "512 KB"}
-    assert bench.cpu_label(identity) == "family 23 model 1 stepping 2, 1996 MHz, cache 512 KB"
-    assert bench.cpu_vector_extensions()["flags"] == ["sse4_2", "avx", "avx2", "fma"]
+    assert machine.cpu_label(identity) == "family 23 model 1 stepping 2, 1996 MHz, cache 512 KB"
+    assert machine.cpu_vector_extensions()["flags"] == ["sse4_2", "avx", "avx2", "fma"]
     from lowprec_demo.results import provenance
     assert provenance("cpu")["device_name"] == "AMD EPYC"
     info.write_text("processor\t: 0\ncpu family\t: unknown\nstepping\t: 2\nFeatures\t: fp asimd sve\n")
-    assert bench.cpu_identity() == {"family": "unknown", "stepping": 2}          # kept as written
-    assert bench.cpu_vector_extensions()["flags"] == ["asimd", "sve"]           # Arm's name for the flags
+    assert machine.cpu_identity() == {"family": "unknown", "stepping": 2}          # kept as written
+    assert machine.cpu_vector_extensions()["flags"] == ["asimd", "sve"]           # Arm's name for the flags
     info.unlink()
-    assert bench.cpu_identity() == {} and bench.cpu_label({}) == ""
-    assert bench.cpu_vector_extensions()["flags"] == []
+    assert machine.cpu_identity() == {} and machine.cpu_label({}) == ""
+    assert machine.cpu_vector_extensions()["flags"] == []
 
 
 def test_the_split_times_the_kernels_own_hash():
@@ -677,7 +677,7 @@ def test_benchmark_runs_at_tiny_sizes(tmp_path, capsys, monkeypatch):
     assert all(r["ratio"] > 0 and r["quantize_GBps"] > 0 for r in result["quantize"])
     training = result["training"][0]
     assert set(training["ratio"]) == set(bench.VARIANTS) and training["ratio"]["plain"] == 1.0
-    text = bench.report(result)
+    text = bench_report.report(result)
     for heading in ("## quantize", "## Training step: nanogpt-quick", "## Scale"):
         assert heading in text
     out = tmp_path / "bench.json"
@@ -688,15 +688,15 @@ def test_benchmark_runs_at_tiny_sizes(tmp_path, capsys, monkeypatch):
     # the summary judges every ratio against its target, read back from the JSON
     assert bench.main(["--summary-of", str(out)]) == 0
     assert "| bf16 " in capsys.readouterr().out
-    text = bench.summary(result)
+    text = bench_report.summary(result)
     assert text.count("| nanogpt-quick |") == len(bench.VARIANTS) - 1
     # the cold path: compiling off in the same rounds as the native round trip, and a fresh
     # process's first call, which says which way it ran
     lines = text.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("| cold path: compiling off"))
     cold = lines[start + 2:start + 2 + len(result["quantize"])]
-    assert [line.split("|")[6].strip() for line in cold] == [
-        "<= 3" if r["rounding"] == "nearest" else "<= 5" for r in result["quantize"]]
+    assert [line.split("|")[6].strip() for line in cold] == [      # stochastic rounding: no target
+        "<= 3" if r["rounding"] == "nearest" else "-" for r in result["quantize"]]
     for r in result["quantize"]:
         assert r["eager_ratio"] == pytest.approx(r["eager_ms"] / r["eager_native_ms"])
     first = result["first_call"]
@@ -705,20 +705,20 @@ def test_benchmark_runs_at_tiny_sizes(tmp_path, capsys, monkeypatch):
         assert first[key]["seconds"] > 0 and sum(first[key]["calls"].values()) == 1
     assert "| first call of a fresh process" in text and "| bf16 stochastic " in text
     assert set(result["machine"]["cpu_vector_extensions"]) == {"flags", "torch_capability"}
-    assert result["machine"]["cpu"] == bench.cpu_identity()
+    assert result["machine"]["cpu"] == machine.cpu_identity()
     if result["machine"]["cpu"]:   # where /proc/cpuinfo says which processor this is, the tables do too
-        assert bench.cpu_label(result["machine"]["cpu"]) in bench.report(result).splitlines()[1]
+        assert machine.cpu_label(result["machine"]["cpu"]) in bench_report.report(result).splitlines()[1]
     # where the warm stochastic rounding's time goes: five parts, each against the round trip
     split = result["split"]
     assert set(split["ms"]) == {"copy", "native", "nearest", "hash", "stochastic"}
     assert split["to_native"]["native"] == 1.0 and all(v > 0 for v in split["ms"].values())
-    assert "## Where the warm stochastic rounding's time goes" in bench.report(result)
+    assert "## Where the warm stochastic rounding's time goes" in bench_report.report(result)
     result["quantize"][0]["ratio"] = 9.0     # bf16 nearest, target 1.5
     result["training"][0]["ratio"]["stochastic"] = 1.5
     result["training"][0]["ratio_from_parts"]["stochastic"] = 1.01
     # a quick run: the note says its sizes are not the targets', a missed target says so too
     assert result["quick"] is True
-    quick = bench.summary(result)
+    quick = bench_report.summary(result)
     assert quick.startswith("Quick run (--quick): quantize on 0.00476837M elements, not 16M; "
                             "no training step of gpt2; fewer timed rounds.")
     rows = {}   # the first table a (format, rounding) row appears in: the warm path's
@@ -728,7 +728,7 @@ def test_benchmark_runs_at_tiny_sizes(tmp_path, capsys, monkeypatch):
     assert "| no / yes (quick: not comparable) " in rows[("nanogpt-quick", "stochastic")]
     # the full run's judgement is unchanged: a bare "no", no note
     result["quick"] = False
-    full = bench.summary(result)
+    full = bench_report.summary(result)
     assert full.startswith("Measured ") and "not comparable" not in full and "Quick run" not in full
     rows = {}
     for line in full.splitlines():
@@ -738,7 +738,7 @@ def test_benchmark_runs_at_tiny_sizes(tmp_path, capsys, monkeypatch):
     # a file written before the flag was kept: read from its command line
     del result["quick"]
     result["command"] = "python -m lowprec_demo.bench --quick"
-    assert bench.summary(result).startswith("Quick run")
+    assert bench_report.summary(result).startswith("Quick run")
     with pytest.raises(SystemExit):
         bench.main(["--summary-of", str(tmp_path / "missing.json")])
 
@@ -746,8 +746,8 @@ def test_benchmark_runs_at_tiny_sizes(tmp_path, capsys, monkeypatch):
 def test_memory_profile_prints_nothing():
     """torch's profiler (kineto) logs two lines to stderr per profile unless told not to when it
     first starts in a process (a fresh process here: another test may have started it)."""
-    code = ("import os, torch; from lowprec_demo import bench; "
-            "print(bench._peak_extra_bytes(lambda: torch.ones(1000) * 2, 'cpu')); "
+    code = ("import os, torch; from lowprec_demo import timing; "
+            "print(timing.peak_extra_bytes(lambda: torch.ones(1000) * 2, 'cpu')); "
             "print(os.environ.get('KINETO_LOG_LEVEL'))")
     env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
@@ -759,10 +759,32 @@ def test_memory_profile_prints_nothing():
 
 def test_spread_is_the_quartiles_of_the_per_round_ratios():
     t = {"ratio_rounds": {"nearest": [1.30, 1.00, 1.10, 1.20, 1.05], "stochastic": [1.2]}}
-    assert bench._spread(t, "nearest") == "1.050-1.200"
-    assert bench._spread(t, "stochastic") == "-"          # one round: no spread
-    assert bench._spread({}, "nearest") == "-"            # a run stored before the rounds were kept
-    assert bench._spread(t, "plain+predictor") == "-"
+    assert bench_report._spread(t, "nearest") == "1.050-1.200"
+    assert bench_report._spread(t, "stochastic") == "-"          # one round: no spread
+    assert bench_report._spread({}, "nearest") == "-"            # a run stored before the rounds were kept
+    assert bench_report._spread(t, "plain+predictor") == "-"
+
+
+def test_training_targets_per_model():
+    """The watch (every step) has a target per model, 1.10 on the quick nanoGPT and 1.05 on
+    GPT-2 124M; the other variants one for every model; the remedies none. Stochastic rounding
+    with compiling off has no target any more, the first call of a fresh process keeps its 2 s."""
+    assert bench_report.step_target("nanogpt-quick", "plain+watch") == 1.10
+    assert bench_report.step_target("gpt2", "plain+watch") == 1.05
+    assert bench_report.step_target("shakespeare-char", "plain+watch") is None
+    assert [bench_report.step_target(m, "plain+predictor") for m in ("nanogpt-quick", "gpt2")] == [1.15, 1.15]
+    assert bench_report.step_target("gpt2", "stochastic") == bench_report.TARGETS["stochastic step"]
+    assert bench_report.step_target("nanogpt-quick", "kahan") is None
+    assert "cold stochastic" not in bench_report.TARGETS and bench_report.TARGETS["first call seconds"] == 2.0
+    machine_ = {"date": "2026-12-02T00:00:00+00:00", "device_name": "CPU", "device": "cpu", "threads": 1,
+                "cpu_count": 2, "torch": "2", "package_version": "0.1.0", "git_commit": None}
+    step = {"model": "gpt2", "step_ms": {"plain": 100.0, "plain+watch": 106.0, "plain+predictor": 110.0},
+            "ratio": {"plain": 1.0, "plain+watch": 1.06, "plain+predictor": 1.10},
+            "ratio_from_parts": {"plain": 1.0, "plain+watch": 1.04, "plain+predictor": 1.10}}
+    rows = {line.split("|")[2].strip(): [c.strip() for c in line.split("|")[8:10]]
+            for line in bench_report.summary({"machine": machine_, "quick": False, "training": [step]}).splitlines()
+            if line.startswith("| gpt2 ")}
+    assert rows == {"plain+watch": ["<= 1.05", "no / yes"], "plain+predictor": ["<= 1.15", "yes / yes"]}
 
 
 def test_rounds_times_short_cases_over_several_runs(monkeypatch):
@@ -776,9 +798,9 @@ def test_rounds_times_short_cases_over_several_runs(monkeypatch):
             calls[name] += 1
             clock["now"] += seconds
         return fn
-    monkeypatch.setattr(bench.time, "perf_counter", lambda: clock["now"])
-    times = bench._rounds({"a": case("a", 0.002), "b": case("b", 0.003)}, "cpu", repeats=3, warmup=1,
-                          min_seconds=0.02)
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: clock["now"])
+    times = timing.median_times({"a": case("a", 0.002), "b": case("b", 0.003)}, "cpu", repeats=3, warmup=1,
+                                min_seconds=0.02)
     assert calls == {"a": 1 + 3 * 7, "b": 1 + 3 * 7}
     assert times == pytest.approx({"a": 0.002, "b": 0.003}, rel=1e-9)
 
