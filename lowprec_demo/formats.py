@@ -30,7 +30,8 @@ from typing import Optional, Union
 
 import torch
 
-__all__ = ["FloatFormat", "get_format", "FORMAT_NAMES", "KINDS", "OVERFLOW_POLICIES", "format_table"]
+__all__ = ["FloatFormat", "get_format", "FORMAT_NAMES", "KINDS", "OVERFLOW_POLICIES", "format_table",
+           "DTYPE_FORMATS", "format_of_dtype"]
 
 KINDS = ("ieee", "fn", "finite")
 OVERFLOW_POLICIES = ("inf", "saturate", "nan")
@@ -261,6 +262,19 @@ def get_format(name: Union[str, FloatFormat]) -> FloatFormat:
         f"unknown format {name!r}; valid names: {', '.join(FORMAT_NAMES)}, "
         f"or 'e<E>m<m>' with E in 2..8 and m in 0..23 (for example 'e5m3')"
     )
+
+
+# torch dtypes that store a low-precision format, and the package's name of that format
+DTYPE_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+for _name, _fmt in (("float8_e4m3fn", "e4m3"), ("float8_e5m2", "e5m2")):
+    if hasattr(torch, _name):
+        DTYPE_FORMATS[getattr(torch, _name)] = _fmt
+
+
+def format_of_dtype(dtype: torch.dtype) -> Optional[str]:
+    """The package's name of the format a torch dtype stores, or None for float32, float64 and
+    non-float dtypes. Example: ``format_of_dtype(torch.bfloat16)`` -> ``"bf16"``."""
+    return DTYPE_FORMATS.get(dtype)
 
 
 def format_table(names=("fp32", "tf32", "bf16", "fp16", "e4m3", "e5m2", "e3m2", "e2m3", "e2m1")) -> list:

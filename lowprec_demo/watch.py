@@ -32,6 +32,11 @@ and those that had none (*idle*).
 manager). ``save(path)`` writes the report as JSON, atomically, and ``python -m lowprec_demo
 report PATH`` prints it again.
 
+The forecast lives in :mod:`lowprec_demo.watch_forecast`, the diagnoses in
+:mod:`lowprec_demo.watch_diagnoses` and the saved report in :mod:`lowprec_demo.watch_report`;
+this module holds the hooks and the measurements, answers through them, and re-exports their
+public names.
+
 Example:
     >>> import torch, lowprec_demo as lp
     >>> model = torch.nn.Linear(4, 1)
@@ -45,59 +50,26 @@ Example:
 
 from __future__ import annotations
 
-import copy
 import math
-import types
-import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from . import kernels
-from .formats import FloatFormat, get_format
+from . import kernels, watch_forecast
+from .formats import DTYPE_FORMATS, FloatFormat, format_of_dtype, get_format
 from .optimizer import LowPrecisionOptimizer
 from .prediction import FreezeRecord, freeze_step
 from .results import atomic_write_json
-from .rounding import decay_rounds_back, move_probability, update_ulp_ratio, would_freeze
+from .rounding import move_probability, update_ulp_ratio, would_freeze
 from .runtime import progress_bar
+from .watch_diagnoses import DIAGNOSIS_KINDS, Diagnosis, diagnose
+from .watch_forecast import EDGES, check_schedule, schedule_length, unwrap_scheduler
+from .watch_forecast import MEMORY as _MEMORY    # the forecast histogram's moving average, kept in after_step
+from .watch_report import WatchReport, jsonable, load_watch
 
 __all__ = ["watch", "FreezeWatch", "Diagnosis", "WatchReport", "load_watch", "DIAGNOSIS_KINDS",
            "DTYPE_FORMATS", "format_of_dtype"]
-
-DIAGNOSIS_KINDS = ("cannot_move", "weight_decay", "state_decay", "counter", "idle", "frozen")
-
-# torch dtypes that store a low-precision format, and the package's name of that format
-DTYPE_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16"}
-for _name, _fmt in (("float8_e4m3fn", "e4m3"), ("float8_e5m2", "e5m2")):
-    if hasattr(torch, _name):
-        DTYPE_FORMATS[getattr(torch, _name)] = _fmt
-
-# the forecast's histogram of log2(|d| / (lr * gap)): eighths of an octave from 2^-64 to 2^32
-_EDGES = torch.arange(-64 * 8, 32 * 8 + 1, dtype=torch.float32) / 8
-_MEMORY = 20             # the forecast's histogram: a moving average over about this many watched steps
-_LOCKED = 0.99           # "cannot move" / "frozen": at least this fraction of a tensor held still
-
-
-def format_of_dtype(dtype: torch.dtype) -> Optional[str]:
-    """The package's name of the format a torch dtype stores, or None for float32, float64 and
-    non-float dtypes. Example: ``format_of_dtype(torch.bfloat16)`` -> ``"bf16"``."""
-    return DTYPE_FORMATS.get(dtype)
-
-
-@dataclass
-class Diagnosis:
-    """One finding of the watch: ``kind`` (one of :data:`DIAGNOSIS_KINDS`), ``tensor`` (a name,
-    or None for the whole model), a plain-words ``message`` with its remedy, and the ``numbers``
-    behind it."""
-
-    kind: str
-    tensor: Optional[str]
-    message: str
-    numbers: dict = field(default_factory=dict)
-
-    def __str__(self) -> str:
-        return f"[{self.kind}] {self.message}"
 
 
 def _inner(optimizer):
@@ -108,38 +80,6 @@ def _inner(optimizer):
            and isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer)):
         optimizer = optimizer.optimizer
     return optimizer
-
-
-def _scheduler_of(scheduler):
-    while scheduler is not None and not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler) \
-            and hasattr(scheduler, "scheduler"):
-        scheduler = scheduler.scheduler     # accelerate's AcceleratedScheduler
-    return scheduler
-
-
-def _check_schedule(scheduler) -> None:
-    if scheduler is None or callable(scheduler) and not hasattr(scheduler, "step"):
-        return
-    if isinstance(scheduler, (list, tuple)):
-        if not all(isinstance(x, (int, float)) for x in scheduler):
-            raise ValueError("a schedule given as a list must hold one learning rate (a number) per step")
-        return
-    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
-        raise ValueError("ReduceLROnPlateau sets the learning rate from a metric, so it has no schedule to "
-                         "forecast from; pass the planned learning rates as a list or a callable step -> lr")
-    if not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
-        raise ValueError(f"scheduler must be a torch.optim.lr_scheduler scheduler, a callable step -> lr, a list of "
-                         f"learning rates or None; got {type(scheduler).__name__}, which has no learning-rate schedule")
-
-
-def _total_of(scheduler) -> Optional[int]:
-    if isinstance(scheduler, (list, tuple)):
-        return len(scheduler)
-    for attr in ("total_steps", "T_max"):   # OneCycleLR; CosineAnnealingLR (its T_max steps, then step T_max)
-        value = getattr(scheduler, attr, None)
-        if isinstance(value, int):
-            return value + (attr == "T_max")
-    return None
 
 
 class _SamplePlan:
@@ -176,11 +116,11 @@ class _SamplePlan:
         return torch.diff(total, prepend=total.new_zeros(1)).double()
 
     def histogram(self, y: torch.Tensor) -> torch.Tensor:
-        """Per tensor, the counts of ``y`` in the bins of :data:`_EDGES` (bin i holds
-        ``edges[i-1] < y <= edges[i]``, the first everything up to ``edges[0]``, the last
-        everything above the last edge; NaN counts as above): (tensors, bins), float64."""
-        bins = len(_EDGES) + 1
-        at = torch.ceil((y - float(_EDGES[0])) * 8).nan_to_num(nan=bins - 1).clamp(0, bins - 1).long()
+        """Per tensor, the counts of ``y`` in the bins of :data:`~lowprec_demo.watch_forecast.EDGES`
+        (bin i holds ``edges[i-1] < y <= edges[i]``, the first everything up to ``edges[0]``, the
+        last everything above the last edge; NaN counts as above): (tensors, bins), float64."""
+        bins = len(EDGES) + 1
+        at = torch.ceil((y - float(EDGES[0])) * 8).nan_to_num(nan=bins - 1).clamp(0, bins - 1).long()
         codes = at + self.tensor_id * bins
         return torch.bincount(codes, minlength=len(self.counts) * bins).view(len(self.counts), bins).cpu().double()
 
@@ -217,10 +157,10 @@ class FreezeWatch:
         self.optimizer = _inner(optimizer)
         if not isinstance(self.optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        _check_schedule(scheduler)
-        self.scheduler = _scheduler_of(scheduler)
+        check_schedule(scheduler)
+        self.scheduler = unwrap_scheduler(scheduler)
         self.every, self.threshold, self.patience = every, float(threshold), patience
-        self.total_steps = total_steps if total_steps is not None else _total_of(self.scheduler)
+        self.total_steps = total_steps if total_steps is not None else schedule_length(self.scheduler)
 
         names = {id(p): n for n, p in model.named_parameters()}
         self._params: Dict[str, torch.nn.Parameter] = {}
@@ -455,35 +395,34 @@ class FreezeWatch:
             out[name] = None if i is None else self.steps[i]
         return out
 
-    def _schedule(self, total: int) -> Dict[int, List[float]]:
-        """The learning rate of every param group at every step from the last watched one to the
-        end of the run."""
-        t0, now = self.steps[-1], self.lrs[-1]
-        steps = range(t0, total)
-        sched = self.scheduler
-        if sched is None:
-            return {s: list(now) for s in steps}
-        if isinstance(sched, (list, tuple)) or callable(sched) and not hasattr(sched, "step"):
-            value = (lambda s: float(sched[min(s, len(sched) - 1)])) if isinstance(sched, (list, tuple)) else sched
-            base = float(value(t0))
-            return {s: [lr * float(value(s)) / base if base > 0 else 0.0 for lr in now] for s in steps}
-        # a torch scheduler: step a copy of it over a stand-in for the optimizer
-        groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} | {"params": []}
-                  for g in sched.optimizer.param_groups]
-        stand_in = types.SimpleNamespace(param_groups=groups, step=lambda *a, **k: None, _opt_called=True)
-        stand_in.step._wrapped_by_lr_sched = True
-        clone = copy.deepcopy(sched, memo={id(sched.optimizer): stand_in})
-        at = clone.last_epoch            # the step whose learning rate the groups hold now
-        out = {}
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            if at > t0:                  # the scheduler already stepped past the watched step
-                out[t0] = list(now)
-            for s in range(at, total):
-                if s >= t0:
-                    out[s] = [float(g["lr"]) for g in groups]
-                clone.step()
-        return out
+    # ---- measurements, read by the forecast and the diagnoses ----------------------------------
+
+    def param_group_of(self, name: str) -> int:
+        """The index of the optimizer's param group that holds the tracked tensor ``name``."""
+        return self._group[name]
+
+    def optimizer_state(self, name: str) -> dict:
+        """The optimizer's state of the tracked tensor ``name`` (``{}`` before its first step)."""
+        return self.optimizer.state.get(self._params[name], {})
+
+    def stored_formats(self) -> List[FloatFormat]:
+        """The formats the tensors are stored in (observation) or predicted for (prediction)."""
+        return list(dict.fromkeys(self._formats.values())) if self.mode == "observe" else self.formats_given
+
+    def ratio_histogram(self, fmt=None) -> torch.Tensor:
+        """Prediction mode: per tracked tensor, the histogram of ``log2(|d| / (lr gap))`` in the
+        bins of :data:`~lowprec_demo.watch_forecast.EDGES`, a moving average over about the last
+        20 watched steps, as fractions: ``(tensors, bins)``, float64 (a copy)."""
+        return self._hist[self.record(fmt).format].clone()
+
+    def rows_with_gradient(self) -> Dict[str, torch.Tensor]:
+        """For each embedding tracked, one flag per row: did it have a gradient on a watched step."""
+        return dict(self._rows_seen)
+
+    def counters(self) -> Dict[tuple, tuple]:
+        """The optimizer-state counters (0-dimensional float state, such as Adam's ``step``):
+        ``{(tensor, key): (last value, steps on which it stood still)}``."""
+        return {k: (v, self._stuck_counters.get(k, 0)) for k, v in self._state_values.items()}
 
     def forecast_curves(self, fmt=None, total_steps: Optional[int] = None) -> Dict[str, Dict[int, float]]:
         """The forecast frozen fraction of every tensor and ``"overall"`` at every step after the
@@ -493,51 +432,14 @@ class FreezeWatch:
         of its stored value (``|d| / (lr gap)``, a histogram of the last few watched steps), is
         taken to stay as it is; an element is then frozen at a later step whose learning rate
         ``lr_s`` makes ``lr_s |d| / (lr gap)`` less than 1/2."""
-        if self.mode != "predict":
-            raise ValueError("a forecast needs the updates of a float32 run (the watch in prediction mode); this "
-                             "watch observes parameters stored in low precision")
-        if not self.steps:
-            raise ValueError("nothing watched yet: call forecast after at least one optimizer step")
-        name = self.record(fmt).format
-        total = total_steps if total_steps is not None else self.total_steps
-        if total is None:
-            raise ValueError("the forecast needs the run's length: give total_steps to watch() or forecast(), or a "
-                             "schedule that knows it (a list of learning rates, OneCycleLR, CosineAnnealingLR)")
-        schedule = self._schedule(total)
-        future = [s for s in sorted(schedule) if s > self.steps[-1]]
-        cum = {}
-        out: Dict[str, Dict[int, float]] = {}
-        weighted = {s: 0.0 for s in future}
-        for j, n in enumerate(self.tracked):
-            c = torch.cumsum(self._hist[name][j], 0)
-            cum[n] = (c / c[-1].clamp(min=1e-300)).tolist()
-            gi = self._group[n]
-            curve = {}
-            for s in future:
-                lr = schedule[s][gi]
-                curve[s] = 1.0 if lr <= 0 else _fraction_below(cum[n], math.log2(0.5 / lr))
-                weighted[s] += curve[s] * self.sizes[n]
-            out[n] = curve
-        total_size = sum(self.sizes[n] for n in self.tracked)
-        out["overall"] = {s: weighted[s] / total_size for s in future}
-        return out
+        return watch_forecast.forecast_curves(self, fmt, total_steps)
 
     def update_ratios(self, fmt=None, q: float = 0.5) -> Dict[str, float]:
         """Per tensor, the ``q`` quantile of ``|d| / (lr gap)``, each element's step per unit of
         learning rate in gaps of its stored value, as the forecast takes it now (a moving
         average over about the last 20 watched steps). An element freezes at a learning rate
         below ``1 / (2 ratio)``."""
-        if self.mode != "predict" or not self.steps:
-            raise ValueError("update ratios are measured in prediction mode, after at least one watched step")
-        if not 0.0 < q < 1.0:
-            raise ValueError(f"q must be in (0, 1), got {q!r}")
-        name = self.record(fmt).format
-        out = {}
-        for j, n in enumerate(self.tracked):
-            c = torch.cumsum(self._hist[name][j], 0)
-            i = int(torch.searchsorted(c / c[-1].clamp(min=1e-300), torch.tensor(q, dtype=c.dtype)))
-            out[n] = 0.0 if i == 0 else 2.0 ** float(_EDGES[min(i, len(_EDGES) - 1)])
-        return out
+        return watch_forecast.update_ratios(self, fmt, q)
 
     def forecast(self, fmt=None, threshold: Optional[float] = None,
                  total_steps: Optional[int] = None) -> Dict[str, object]:
@@ -545,21 +447,7 @@ class FreezeWatch:
         step from which the frozen fraction stays at or above it to the end of the run: the
         measured points so far, then :meth:`forecast_curves`), or None when that does not
         happen within the schedule: ``{"overall": step or None, "by_tensor": {name: step or None}}``."""
-        tau = self.threshold if threshold is None else threshold
-        if not 0.0 < tau <= 1.0:
-            raise ValueError(f"threshold must be in (0, 1], got {tau!r}")
-        return self._freeze_steps(self.record(fmt), self.forecast_curves(fmt, total_steps), tau)
-
-    def _freeze_steps(self, rec: FreezeRecord, curves: Dict[str, Dict[int, float]], tau: float) -> Dict[str, object]:
-        """:meth:`forecast` from the record and the curves ahead."""
-
-        def step_of(past: List[float], ahead: Dict[int, float]) -> Optional[int]:
-            points = list(zip(self.steps, past)) + sorted(ahead.items())
-            i = freeze_step([v for _, v in points], tau)
-            return None if i is None else points[i][0]
-
-        return {"overall": step_of(rec.overall, curves["overall"]),
-                "by_tensor": {n: step_of(rec.by_tensor[n], curves[n]) for n in self.tracked}}
+        return watch_forecast.forecast(self, fmt, threshold, total_steps)
 
     def groups(self) -> Dict[str, List[str]]:
         """Tensors by kind: ``"vectors"`` (biases, norm gains: one dimension), ``"embeddings"``
@@ -577,140 +465,9 @@ class FreezeWatch:
         return out
 
     def diagnoses(self) -> List[Diagnosis]:
-        """What cannot move, and why, each with its numbers and the remedy the book measures."""
-        out: List[Diagnosis] = []
-        if not self.steps:
-            return out
-        k = min(self.patience, len(self.steps))
-        for f in self.formats:
-            rec = self.records[f]
-            for n in self.tracked:
-                held, with_grad = rec.by_tensor[n], [1 - x for x in self.idle[n]]
-                if len(self.steps) < self.patience or min(held[-k:]) < _LOCKED or max(with_grad[-k:]) <= 0.01:
-                    continue
-                always = min(held) >= _LOCKED          # held since the first watched step
-                span = len(held) if always else k
-                if self.mode == "predict" and always:
-                    top = self.update_ratios(f, q=_LOCKED)[n]        # the largest steps per unit of lr, in gaps
-                    lr = max(lrs[self._group[n]] for lrs in self.lrs)
-                    out.append(Diagnosis("cannot_move", n, (
-                        f"{n} ({self.sizes[n]:,} elements) cannot move in {f}: on every one of the {span} watched steps "
-                        f"at least {min(held):.1%} of its updates were below half the gap of its stored values, while its "
-                        f"gradient is not zero. Its steps are at most about {top:.3g} gaps per unit of learning rate "
-                        f"(99th percentile), so it moves only above a learning rate of {0.5 / top if top else math.inf:.2e}; "
-                        f"the largest so far is {lr:.2e}. Remedy: keep it in float32 (master weights), or use stochastic "
-                        f"rounding."),
-                        {"format": f, "frozen": min(held), "steps": span, "ratio_p99": top, "max_lr": lr,
-                         "moves_above_lr": 0.5 / top if top else math.inf, "with_gradient": min(with_grad)}))
-                    continue
-                verb = "would have been" if self.mode == "predict" else "has been"
-                out.append(Diagnosis("frozen", n, (
-                    f"{n} ({self.sizes[n]:,} elements) {verb} frozen in {f} for the last {span} watched steps: at least "
-                    f"{min(held[-k:]):.1%} of it unchanged by every step, while at least {min(with_grad[-k:]):.0%} of its "
-                    f"elements had a nonzero gradient at each of them. Remedy: float32 master weights, or stochastic rounding."),
-                    {"format": f, "frozen": min(held[-k:]), "steps": span, "since_start": always,
-                     "with_gradient": min(with_grad[-k:])}))
-        out += self._weight_decay() + self._state_decay() + self._counters() + self._idle()
-        return out
-
-    def _stored_formats(self) -> List[FloatFormat]:
-        return list(dict.fromkeys(self._formats.values())) if self.mode == "observe" else self.formats_given
-
-    def _weight_decay(self) -> List[Diagnosis]:
-        out = []
-        for gi, group in enumerate(self.optimizer.param_groups):
-            wd = float(group.get("weight_decay", 0.0) or 0.0)
-            stepper = self.optimizer.optimizer if isinstance(self.optimizer, LowPrecisionOptimizer) else self.optimizer
-            decoupled = isinstance(stepper, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay", False))
-            if wd <= 0 or not decoupled:
-                continue
-            lr = max(lrs[gi] for lrs in self.lrs)
-            names = [n for n in self.tracked if self._group[n] == gi]
-            for fmt in self._stored_formats():
-                m = fmt.man_bits
-                upper, lower = 2.0 ** -(m + 1), 2.0 ** -(m + 2)
-                if lr * wd >= upper or not names:
-                    continue
-                where = "on no weight" if lr * wd < lower else "only on weights in the upper part of their binade"
-                out.append(Diagnosis("weight_decay", None, (
-                    f"weight decay cannot act in {fmt.name} ({where}): lr * weight_decay = {lr * wd:.2e} at the largest "
-                    f"learning rate so far, below half the relative gap 2^-{m + 1} = {upper:.2e} (2^-{m + 2} = "
-                    f"{lower:.2e} at a power of two, where the gap below is half as wide), so w (1 - lr wd) rounds back to w; it works only "
-                    f"through the gradient step it is added to. Remedy: float32 master weights, or stochastic "
-                    f"rounding. Param group {gi}, {len(names)} tensors."),
-                    {"format": fmt.name, "group": gi, "lr": lr, "weight_decay": wd, "product": lr * wd,
-                     "half_relative_gap": upper, "at_power_of_two": lower}))
-        return out
-
-    def _state_decay(self) -> List[Diagnosis]:
-        out, seen = [], set()
-        for n in self.tracked:
-            p = self._params[n]
-            group = self.optimizer.param_groups[self._group[n]]
-            betas = group.get("betas", (None, None))
-            rates = {"exp_avg": betas[0], "exp_avg_sq": betas[1], "momentum_buffer": group.get("momentum")}
-            for key, value in self.optimizer.state.get(p, {}).items():
-                beta = rates.get(key)
-                if not torch.is_tensor(value) or value.dim() == 0 or not beta:
-                    continue
-                name = format_of_dtype(value.dtype)
-                if isinstance(self.optimizer, LowPrecisionOptimizer) and self.optimizer.state_format is not None:
-                    name = self.optimizer.state_format.name
-                if name is None:
-                    continue
-                m = get_format(name).man_bits
-                if decay_rounds_back(beta, name) and (key, name) not in seen:
-                    seen.add((key, name))
-                    tensors = [t for t in self.tracked if key in self.optimizer.state.get(self._params[t], {})]
-                    out.append(Diagnosis("state_decay", None, (
-                        f"the optimizer state {key!r} is stored in {name}, and its moving average cannot decay: "
-                        f"1 - beta = {1 - beta:.3g} is below half the relative gap 2^-{m + 1} = {2.0 ** -(m + 1):.2e}, so "
-                        f"beta * v rounds back to v once the new input is small. Remedy: keep the optimizer state in "
-                        f"float32, use stochastic rounding for it, or a smaller beta. {len(tensors)} tensors."),
-                        {"state": key, "format": name, "beta": beta, "one_minus_beta": 1 - beta,
-                         "half_relative_gap": 2.0 ** -(m + 1), "tensors": len(tensors)}))
-        return out
-
-    def _counters(self) -> List[Diagnosis]:
-        out, seen = [], set()
-        for (n, key), value in self._state_values.items():
-            state = self.optimizer.state.get(self._params[n], {}).get(key)
-            if state is None:
-                continue
-            name = format_of_dtype(state.dtype) or {torch.float32: "fp32", torch.float64: "fp64"}.get(state.dtype)
-            if name is None or (key, name) in seen:
-                continue
-            stop = 2.0 ** (get_format(name).man_bits + 1)     # v + 1 rounds back to v from here on
-            stuck = self._stuck_counters.get((n, key), 0)
-            reaches = self.total_steps is not None and self.total_steps > stop
-            if stuck or reaches:
-                seen.add((key, name))
-                out.append(Diagnosis("counter", n, (
-                    f"the counter {key!r} of the optimizer state is stored in {name}, where counting by one stops at "
-                    f"{stop:,.0f} (v + 1 rounds back to v); " + (
-                        f"it stood still on {stuck} steps already. " if stuck else
-                        f"this run has {self.total_steps:,} steps. ") +
-                    "Adam's bias correction then uses a wrong step. Remedy: keep counters as integers or in float32."),
-                    {"state": key, "format": name, "stops_at": stop, "stuck_steps": stuck, "value": value}))
-        return out
-
-    def _idle(self) -> List[Diagnosis]:
-        out = []
-        for n in self.tracked:
-            if self.idle[n] and min(self.idle[n]) >= 1.0:
-                out.append(Diagnosis("idle", n, (
-                    f"{n} ({self.sizes[n]:,} elements) got no gradient on any of the {len(self.steps)} watched steps: it "
-                    f"is idle, not frozen (is it used in the forward pass, or detached?)."),
-                    {"watched_steps": len(self.steps), "elements": self.sizes[n]}))
-            elif n in self._rows_seen:
-                rows = self._rows_seen[n]
-                never = int((~rows).sum())
-                if never:
-                    out.append(Diagnosis("idle", n, (
-                        f"{never} of the {rows.numel()} rows of {n} got no gradient on any watched step (for an "
-                        f"embedding: tokens that never occur); they are idle, not frozen."),
-                        {"rows": rows.numel(), "idle_rows": never, "watched_steps": len(self.steps)}))
-        return out
+        """What cannot move, and why, each with its numbers and the remedy the book measures
+        (:func:`~lowprec_demo.watch_diagnoses.diagnose`)."""
+        return diagnose(self)
 
     # ---- report --------------------------------------------------------------------------------
 
@@ -722,7 +479,7 @@ class FreezeWatch:
         if self.mode == "predict" and self.steps and self.total_steps:
             for f in self.formats:
                 ahead = self.forecast_curves(f)
-                forecasts[f] = self._freeze_steps(self.records[f], ahead, self.threshold)
+                forecasts[f] = watch_forecast.freeze_steps(self, self.records[f], ahead, self.threshold)
                 curves[f] = {n: {str(s): v for s, v in c.items()} for n, c in ahead.items()}
         return {"kind": "lowprec_demo.watch", "mode": self.mode, "formats": self.formats, "threshold": self.threshold,
                 "every": self.every, "total_steps": self.total_steps, "steps": self.steps, "lrs": self.lrs,
@@ -735,146 +492,17 @@ class FreezeWatch:
     def save(self, path) -> None:
         """Write :meth:`to_dict` to ``path`` as JSON, atomically (a crash leaves the last saved
         report as it was)."""
-        atomic_write_json(path, _jsonable(self.to_dict()))
+        atomic_write_json(path, jsonable(self.to_dict()))
 
     def summary(self, fmt=None, show: bool = True) -> str:
         """The table (tensor, size, format, frozen now, frozen since, forecast, diagnosis),
         printed unless ``show=False``, and returned."""
-        return WatchReport(_jsonable(self.to_dict())).summary(fmt, show=show)
+        return WatchReport(jsonable(self.to_dict())).summary(fmt, show=show)
 
     def plot(self, fmt=None, ax=None):
         """The frozen fraction of each group of tensors over the watched steps, the forecast
         dashed to the end of the run (prediction mode)."""
-        return WatchReport(_jsonable(self.to_dict())).plot(fmt, ax=ax)
-
-
-def _fraction_below(cum: List[float], cutoff: float) -> float:
-    """The fraction of a histogram over :data:`_EDGES` below ``cutoff``, linear within a bin."""
-    width = 1 / 8
-    pos = (cutoff - float(_EDGES[0])) / width        # bin i + 1 spans edges i .. i + 1
-    if pos < 0:
-        return cum[0]
-    i = int(pos)
-    if i >= len(_EDGES) - 1:     # beyond the last edge: only the elements up to it
-        return cum[len(_EDGES) - 1]
-    lo, hi = cum[i], cum[i + 1]
-    return lo + (hi - lo) * (pos - i)
-
-
-def _jsonable(x):
-    if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    if torch.is_tensor(x):
-        return x.tolist()
-    if isinstance(x, float) and not math.isfinite(x):
-        return None if math.isnan(x) else x
-    return x
-
-
-class WatchReport:
-    """A saved watch (:meth:`FreezeWatch.to_dict`), with the same table and figure. Made by
-    :func:`load_watch` and by ``python -m lowprec_demo report PATH``."""
-
-    def __init__(self, data: dict) -> None:
-        if data.get("kind") != "lowprec_demo.watch":
-            raise ValueError("not a freeze-watch report (its 'kind' is not 'lowprec_demo.watch')")
-        self.data = data
-
-    def _fmt(self, fmt) -> str:
-        formats = self.data["formats"]
-        name = formats[0] if fmt is None else get_format(fmt).name
-        if name not in formats:
-            raise KeyError(f"no record for {name}; this report holds: {', '.join(formats)}")
-        return name
-
-    def rows(self, fmt=None) -> List[dict]:
-        """One row per tensor, the whole model first."""
-        f = self._fmt(fmt)
-        d = self.data
-        rec = d["records"][f]
-        since, forecast = d["frozen_since"][f], d["forecast"].get(f)
-        kinds: Dict[Optional[str], List[str]] = {}
-        for diag in d["diagnoses"]:
-            if diag["numbers"].get("format", f) == f or diag["kind"] in ("idle", "counter"):
-                kinds.setdefault(diag["tensor"], []).append(diag["kind"])
-        out = [{"tensor": "(all)", "size": sum(d["sizes"].values()), "format": f,
-                "frozen_now": rec["overall"][-1] if rec["overall"] else None, "frozen_since": since.get("overall"),
-                "forecast": None if forecast is None else forecast["overall"],
-                "diagnosis": ", ".join(sorted(set(kinds.get(None, []))))}]
-        for n, size in d["sizes"].items():
-            values = rec["by_tensor"].get(n, [])
-            out.append({"tensor": n, "size": size, "format": f, "frozen_now": values[-1] if values else None,
-                        "frozen_since": since.get(n), "forecast": None if forecast is None else forecast["by_tensor"].get(n),
-                        "diagnosis": ", ".join(sorted(set(kinds.get(n, []))))})
-        return out
-
-    def summary(self, fmt=None, show: bool = True) -> str:
-        rows = self.rows(fmt)
-        d = self.data
-        head = (f"freeze watch ({d['mode']}, {rows[0]['format']}): {len(d['steps'])} watched steps"
-                + (f" of {d['total_steps']}" if d.get("total_steps") else "")
-                + f", threshold {d['threshold']:g}; 'since' and 'forecast': the step from which the tensor stays "
-                  f"at or above it")
-        width = max(len(r["tensor"]) for r in rows)
-        lines = [head, f"{'tensor':<{width}}  {'size':>11}  {'format':>6}  {'frozen now':>10}  {'since':>6}  "
-                       f"{'forecast':>8}  diagnosis"]
-
-        def step(x):
-            return "-" if x is None else str(x)
-
-        for r in rows:
-            now = "-" if r["frozen_now"] is None else f"{r['frozen_now']:.3f}"
-            lines.append(f"{r['tensor']:<{width}}  {r['size']:>11,}  {r['format']:>6}  {now:>10}  "
-                         f"{step(r['frozen_since']):>6}  {step(r['forecast']) if d['mode'] == 'predict' else 'n/a':>8}  "
-                         f"{r['diagnosis']}")
-        if d["diagnoses"]:
-            lines.append("")
-            lines += [f"[{x['kind']}] {x['message']}" for x in d["diagnoses"]]
-        text = "\n".join(lines)
-        if show:
-            print(text)
-        return text
-
-    def plot(self, fmt=None, ax=None):
-        import matplotlib.pyplot as plt
-
-        f = self._fmt(fmt)
-        d = self.data
-        rec, sizes = d["records"][f], d["sizes"]
-        if ax is None:
-            _, ax = plt.subplots(figsize=(8, 4))
-        curves = d["forecast_curves"].get(f, {})
-        groups = {"all": list(sizes), **d["groups"]}
-        for i, (group, members) in enumerate(groups.items()):
-            total = sum(sizes[n] for n in members)
-            past = [sum(rec["by_tensor"][n][t] * sizes[n] for n in members) / total for t in range(len(d["steps"]))]
-            color = "k" if group == "all" else f"C{i}"
-            ax.plot(d["steps"], past, color=color, lw=2 if group == "all" else 1.3,
-                    label=f"{group} ({total:,} elements)")
-            if curves:
-                ahead = sorted(int(s) for s in curves["overall"])
-                if ahead:
-                    fut = [sum(curves[n][str(s)] * sizes[n] for n in members) / total for s in ahead]
-                    ax.plot(ahead, fut, color=color, lw=1.3, ls="--")
-        ax.axhline(d["threshold"], color="0.6", lw=0.8, ls=":")
-        if d.get("total_steps"):
-            ax.set_xlim(0, d["total_steps"])
-        ax.set_ylim(-0.02, 1.02)
-        ax.set_xlabel("step")
-        ax.set_ylabel(f"fraction frozen ({'predicted' if d['mode'] == 'predict' else 'observed'})")
-        ax.set_title(f"freeze watch, {f}" + (" (dashed: forecast)" if curves else ""), fontsize=10)
-        ax.legend(frameon=False, fontsize=8)
-        return ax
-
-
-def load_watch(path) -> WatchReport:
-    """A saved watch report (``watch.save(path)``), with ``summary()`` and ``plot()``."""
-    import json
-
-    with open(path) as f:
-        return WatchReport(json.load(f))
+        return WatchReport(jsonable(self.to_dict())).plot(fmt, ax=ax)
 
 
 def watch(model: torch.nn.Module, optimizer, formats: Sequence = ("bf16",), scheduler=None, every: int = 1,

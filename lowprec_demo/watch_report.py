@@ -1,0 +1,140 @@
+"""A saved freeze watch: the report as JSON-ready data, read back with the same table and figure.
+
+:meth:`FreezeWatch.save <lowprec_demo.watch.FreezeWatch.save>` writes
+:meth:`~lowprec_demo.watch.FreezeWatch.to_dict` through :func:`jsonable`; :func:`load_watch`
+(and ``python -m lowprec_demo report PATH``) reads it back as a :class:`WatchReport`, whose
+``summary()`` and ``plot()`` are those of the live watch.
+
+Example:
+    >>> jsonable({1: (float("nan"), float("inf"))})
+    {'1': [None, inf]}
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Optional
+
+import torch
+
+from .formats import get_format
+
+__all__ = ["WatchReport", "load_watch", "jsonable"]
+
+
+def jsonable(x):
+    """``x`` as JSON can hold it: dict keys as strings, tuples as lists, tensors as lists, NaN as
+    None (infinities stay, as JSON's ``Infinity``). Example: ``jsonable({1: (2, 3)})`` -> ``{'1': [2, 3]}``."""
+    if isinstance(x, dict):
+        return {str(k): jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [jsonable(v) for v in x]
+    if torch.is_tensor(x):
+        return x.tolist()
+    if isinstance(x, float) and not math.isfinite(x):
+        return None if math.isnan(x) else x
+    return x
+
+
+class WatchReport:
+    """A saved watch (:meth:`FreezeWatch.to_dict <lowprec_demo.watch.FreezeWatch.to_dict>`), with the
+    same table and figure. Made by :func:`load_watch` and by ``python -m lowprec_demo report PATH``."""
+
+    def __init__(self, data: dict) -> None:
+        if data.get("kind") != "lowprec_demo.watch":
+            raise ValueError("not a freeze-watch report (its 'kind' is not 'lowprec_demo.watch')")
+        self.data = data
+
+    def _fmt(self, fmt) -> str:
+        formats = self.data["formats"]
+        name = formats[0] if fmt is None else get_format(fmt).name
+        if name not in formats:
+            raise KeyError(f"no record for {name}; this report holds: {', '.join(formats)}")
+        return name
+
+    def rows(self, fmt=None) -> List[dict]:
+        """One row per tensor, the whole model first."""
+        f = self._fmt(fmt)
+        d = self.data
+        rec = d["records"][f]
+        since, forecast = d["frozen_since"][f], d["forecast"].get(f)
+        kinds: Dict[Optional[str], List[str]] = {}
+        for diag in d["diagnoses"]:
+            if diag["numbers"].get("format", f) == f or diag["kind"] in ("idle", "counter"):
+                kinds.setdefault(diag["tensor"], []).append(diag["kind"])
+        out = [{"tensor": "(all)", "size": sum(d["sizes"].values()), "format": f,
+                "frozen_now": rec["overall"][-1] if rec["overall"] else None, "frozen_since": since.get("overall"),
+                "forecast": None if forecast is None else forecast["overall"],
+                "diagnosis": ", ".join(sorted(set(kinds.get(None, []))))}]
+        for n, size in d["sizes"].items():
+            values = rec["by_tensor"].get(n, [])
+            out.append({"tensor": n, "size": size, "format": f, "frozen_now": values[-1] if values else None,
+                        "frozen_since": since.get(n), "forecast": None if forecast is None else forecast["by_tensor"].get(n),
+                        "diagnosis": ", ".join(sorted(set(kinds.get(n, []))))})
+        return out
+
+    def summary(self, fmt=None, show: bool = True) -> str:
+        rows = self.rows(fmt)
+        d = self.data
+        head = (f"freeze watch ({d['mode']}, {rows[0]['format']}): {len(d['steps'])} watched steps"
+                + (f" of {d['total_steps']}" if d.get("total_steps") else "")
+                + f", threshold {d['threshold']:g}; 'since' and 'forecast': the step from which the tensor stays "
+                  f"at or above it")
+        width = max(len(r["tensor"]) for r in rows)
+        lines = [head, f"{'tensor':<{width}}  {'size':>11}  {'format':>6}  {'frozen now':>10}  {'since':>6}  "
+                       f"{'forecast':>8}  diagnosis"]
+
+        def step(x):
+            return "-" if x is None else str(x)
+
+        for r in rows:
+            now = "-" if r["frozen_now"] is None else f"{r['frozen_now']:.3f}"
+            lines.append(f"{r['tensor']:<{width}}  {r['size']:>11,}  {r['format']:>6}  {now:>10}  "
+                         f"{step(r['frozen_since']):>6}  {step(r['forecast']) if d['mode'] == 'predict' else 'n/a':>8}  "
+                         f"{r['diagnosis']}")
+        if d["diagnoses"]:
+            lines.append("")
+            lines += [f"[{x['kind']}] {x['message']}" for x in d["diagnoses"]]
+        text = "\n".join(lines)
+        if show:
+            print(text)
+        return text
+
+    def plot(self, fmt=None, ax=None):
+        import matplotlib.pyplot as plt
+
+        f = self._fmt(fmt)
+        d = self.data
+        rec, sizes = d["records"][f], d["sizes"]
+        if ax is None:
+            _, ax = plt.subplots(figsize=(8, 4))
+        curves = d["forecast_curves"].get(f, {})
+        groups = {"all": list(sizes), **d["groups"]}
+        for i, (group, members) in enumerate(groups.items()):
+            total = sum(sizes[n] for n in members)
+            past = [sum(rec["by_tensor"][n][t] * sizes[n] for n in members) / total for t in range(len(d["steps"]))]
+            color = "k" if group == "all" else f"C{i}"
+            ax.plot(d["steps"], past, color=color, lw=2 if group == "all" else 1.3,
+                    label=f"{group} ({total:,} elements)")
+            if curves:
+                ahead = sorted(int(s) for s in curves["overall"])
+                if ahead:
+                    fut = [sum(curves[n][str(s)] * sizes[n] for n in members) / total for s in ahead]
+                    ax.plot(ahead, fut, color=color, lw=1.3, ls="--")
+        ax.axhline(d["threshold"], color="0.6", lw=0.8, ls=":")
+        if d.get("total_steps"):
+            ax.set_xlim(0, d["total_steps"])
+        ax.set_ylim(-0.02, 1.02)
+        ax.set_xlabel("step")
+        ax.set_ylabel(f"fraction frozen ({'predicted' if d['mode'] == 'predict' else 'observed'})")
+        ax.set_title(f"freeze watch, {f}" + (" (dashed: forecast)" if curves else ""), fontsize=10)
+        ax.legend(frameon=False, fontsize=8)
+        return ax
+
+
+def load_watch(path) -> WatchReport:
+    """A saved watch report (``watch.save(path)``), with ``summary()`` and ``plot()``."""
+    import json
+
+    with open(path) as f:
+        return WatchReport(json.load(f))
