@@ -54,7 +54,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from . import _fused
+from . import bit_kernels, kernels
 from .bench_report import report, summary
 from .experiments import get_experiment, make_config
 from .formats import get_format
@@ -96,15 +96,15 @@ STEP_SECONDS = 0.25   # a training step shorter than this is timed over several 
 def warm_up(device: str) -> dict:
     """Compile every fused kernel and time each first call."""
     start = time.perf_counter()
-    _fused.compile_all(device)
+    kernels.compile_all(device)
     wall = time.perf_counter() - start
-    kernels = _fused.status()["kernels"]
+    table = kernels.status()["kernels"]
     dev = torch.device(device).type
-    seconds = {k: v["compile_seconds"].get(dev) for k, v in kernels.items()}
+    seconds = {k: v["compile_seconds"].get(dev) for k, v in table.items()}
     # (the first call of each kernel in this process, whenever it happened)
     return {"total_seconds": sum(v for v in seconds.values() if v is not None), "seconds": seconds,
             "wall_seconds_now": wall,
-            "failed": {k: v["failed"][dev] for k, v in kernels.items() if dev in v["failed"]}}
+            "failed": {k: v["failed"][dev] for k, v in table.items() if dev in v["failed"]}}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -123,12 +123,12 @@ def bench_quantize(n: int, device: str, repeats: int, eager: bool = True) -> Lis
         for rounding in ("nearest", "stochastic"):
             cases = {"native": natives[ref_dtype],
                      "quantize": lambda f=name, r=rounding: quantize(x, f, r, generator=1)}
-            previous = _fused.set_mode("on")
+            previous = kernels.set_mode("on")
             try:
                 t = median_times(cases, device, repeats)
                 extra = peak_extra_bytes(cases["quantize"], device)
             finally:
-                _fused.set_mode(previous)
+                kernels.set_mode(previous)
             row = {"format": name, "rounding": rounding, "n": n,
                    "native_dtype": str(ref_dtype).replace("torch.", ""), "native_is_own_dtype": dtype is not None,
                    "native_ms": t["native"] * 1e3, "quantize_ms": t["quantize"] * 1e3,
@@ -136,7 +136,7 @@ def bench_quantize(n: int, device: str, repeats: int, eager: bool = True) -> Lis
                    "quantize_GBps": 8 * n / t["quantize"] / 1e9, "native_GBps": 8 * n / t["native"] / 1e9,
                    "extra_memory_inputs": None if extra is None else extra / (4 * n)}
             if eager:
-                previous = _fused.set_mode("off")
+                previous = kernels.set_mode("off")
                 try:
                     # the cold path: the same functions uncompiled, timed in the same rounds as
                     # the native round trip
@@ -144,7 +144,7 @@ def bench_quantize(n: int, device: str, repeats: int, eager: bool = True) -> Lis
                     row.update(eager_ms=t["quantize"] * 1e3, eager_native_ms=t["native"] * 1e3,
                                eager_ratio=t["quantize"] / t["native"])
                 finally:
-                    _fused.set_mode(previous)
+                    kernels.set_mode(previous)
             rows.append(row)
     return rows
 
@@ -153,7 +153,7 @@ def _hash_only(bits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """The stochastic-rounding kernel's random bits alone, one int32 per element of ``bits``
     (for the split)."""
     r = torch.arange(bits.numel(), dtype=torch.int32, device=bits.device) + p[8]
-    return _fused.hash32(r, p[6], p[7])
+    return bit_kernels.hash32(r, p[6], p[7])
 
 
 def bench_split(n: int, device: str, repeats: int) -> dict:
@@ -169,10 +169,10 @@ def bench_split(n: int, device: str, repeats: int) -> dict:
     x = torch.randn(n, device=device)
     bits = x.view(torch.int32)
     fmt = get_format("bf16")
-    pn = torch.tensor(_fused.nearest_params(fmt, fmt.overflow), dtype=torch.int32, device=device)
-    ps = torch.tensor(_fused.stochastic_params(fmt, fmt.overflow, None, 1), dtype=torch.int32, device=device)
+    pn = torch.tensor(bit_kernels.nearest_params(fmt, fmt.overflow), dtype=torch.int32, device=device)
+    ps = torch.tensor(bit_kernels.stochastic_params(fmt, fmt.overflow, None, 1), dtype=torch.int32, device=device)
     compiled = {name: torch.compile(fn, dynamic=True, fullgraph=True)
-                for name, fn in (("nearest", _fused.rne_bits), ("hash", _hash_only), ("stochastic", _fused.sr_bits))}
+                for name, fn in (("nearest", bit_kernels.rne_bits), ("hash", _hash_only), ("stochastic", bit_kernels.sr_bits))}
     cases = {"copy": lambda: x.clone(), "native": lambda: x.to(torch.bfloat16).float(),
              "nearest": lambda: compiled["nearest"](bits, pn), "hash": lambda: compiled["hash"](bits, ps),
              "stochastic": lambda: compiled["stochastic"](bits, ps)}
@@ -189,7 +189,7 @@ def bench_split(n: int, device: str, repeats: int) -> dict:
 _FIRST_CALL = """
 import json, sys, time, torch
 torch.set_num_threads({threads})
-from lowprec_demo import _fused, quantize
+from lowprec_demo import kernels, quantize
 x = torch.randn({n}, device={device!r})
 out = {{}}
 for fmt, rounding in (("bf16", "stochastic"), ("e5m3", "nearest")):
@@ -197,10 +197,10 @@ for fmt, rounding in (("bf16", "stochastic"), ("e5m3", "nearest")):
     quantize(x, fmt, rounding, generator=1)
     if {device!r}.startswith("cuda"):
         torch.cuda.synchronize()
-    kernel = _fused.status()["kernels"][rounding]
+    kernel = kernels.status()["kernels"][rounding]
     out[fmt + " " + rounding] = {{"seconds": time.perf_counter() - start, "calls": kernel["calls"],
                                   "compile_seconds": kernel["compile_seconds"].get(torch.device({device!r}).type)}}
-out["mode"] = _fused.get_mode()
+out["mode"] = kernels.get_mode()
 print(json.dumps(out))
 """
 
@@ -210,7 +210,7 @@ def bench_first_call(n: int, device: str) -> dict:
     fused kernels' mode as the environment leaves it, by default ``"auto"``) times its first
     ``quantize(x, "bf16", "stochastic")`` and then its first nearest e5m3 on ``n`` float32
     elements, compiling included if the mode compiles, and says which way each ran (the
-    kernel's compiled and eager calls, :func:`lowprec_demo._fused.status`)."""
+    kernel's compiled and eager calls, :func:`lowprec_demo.kernels.status`)."""
     import subprocess
     code = _FIRST_CALL.format(threads=torch.get_num_threads(), n=n, device=device)
     try:
@@ -407,7 +407,7 @@ def bench_scale(sizes: List[int], device: str, repeats: int) -> List[dict]:
     """quantize time per element against tensor size: native bf16 round trip, nearest e5m3,
     stochastic bf16."""
     rows = []
-    previous = _fused.set_mode("on")
+    previous = kernels.set_mode("on")
     try:
         for n in sizes:
             x = torch.randn(n, device=device)
@@ -418,7 +418,7 @@ def bench_scale(sizes: List[int], device: str, repeats: int) -> List[dict]:
             rows.append({"n": n, **{f"{k} ms": v * 1e3 for k, v in t.items()},
                          **{f"{k} ns/element": v * 1e9 / n for k, v in t.items()}})
     finally:
-        _fused.set_mode(previous)
+        kernels.set_mode(previous)
     return rows
 
 
@@ -449,7 +449,7 @@ def run(device: str = "cpu", quick: bool = False, size: Optional[int] = None, re
         say("compiling the fused kernels ...")
         result["compile"] = warm_up(device)
     else:
-        result["compile"] = {"skipped": f"compile_kernels=False (kernel mode {_fused.get_mode()!r})"}
+        result["compile"] = {"skipped": f"compile_kernels=False (kernel mode {kernels.get_mode()!r})"}
     say(f"quantize, {size} elements ...")
     result["quantize"] = bench_quantize(size, device, repeats, eager=eager)
     say("where the warm stochastic rounding's time goes ...")
@@ -465,30 +465,30 @@ def run(device: str = "cpu", quick: bool = False, size: Optional[int] = None, re
         say(f"training steps: {name} ...")
         # small models: many short rounds (their steps are milliseconds); GPT-2 on a CPU: a few
         train_repeats = (3 if quick else 15) if (name == "gpt2" and not on_gpu) else (15 if quick else 40)
-        previous = _fused.set_mode("on")
+        previous = kernels.set_mode("on")
         try:
             t = bench_training(name, device, train_repeats, variants)
         finally:
-            _fused.set_mode(previous)
+            kernels.set_mode(previous)
         if eager and name == "nanogpt-quick":
-            previous = _fused.set_mode("off")
+            previous = kernels.set_mode("off")
             try:
                 t["eager_ratio"] = bench_training(name, device, train_repeats, variants)["ratio"]
             finally:
-                _fused.set_mode(previous)
+                kernels.set_mode(previous)
         result["training"].append(t)
     if scale_sizes:
         say("scale ...")
         result["scale"] = bench_scale(scale_sizes, device, max(3, repeats // 2))
         sized = [t for t in result["training"]]
         if not quick and "shakespeare-char" not in models:
-            previous = _fused.set_mode("on")
+            previous = kernels.set_mode("on")
             try:
                 sized.append(bench_training("shakespeare-char", device, 10))
             finally:
-                _fused.set_mode(previous)
+                kernels.set_mode(previous)
         result["model_scale"] = sorted(sized, key=lambda t: t["params"])
-    result["fused"] = _fused.status()
+    result["fused"] = kernels.status()
     result["machine"]["load_average_end"] = load_average()
     return result
 

@@ -28,8 +28,8 @@ with ``-fno-signed-zeros``; Triton divides approximately unless told otherwise).
 rule behind :func:`lowprec_demo.rounding.would_freeze`, :func:`~lowprec_demo.rounding.move_probability`
 and :func:`~lowprec_demo.rounding.update_ulp_ratio`, the freeze kernel of
 :mod:`lowprec_demo.kernels` (and through it the predictor and the watch), and
-:class:`~lowprec_demo.optimizer.LowPrecisionOptimizer`'s freeze statistics; ``tests/
-test_freeze_rule_callers.py`` runs every caller on the format's edges against an exact
+:class:`~lowprec_demo.optimizer.LowPrecisionOptimizer`'s freeze statistics; ``tests/test_freeze_rule_callers.py``
+runs every caller on the format's edges against an exact
 ``fractions.Fraction`` reference.
 
 Example:

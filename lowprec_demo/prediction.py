@@ -50,14 +50,14 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Union
 import torch
 
 from . import kernels
-from .freeze_counts import FreezeCounts, count_freezes
+from .freeze_counts import count_freezes
 from .freeze_rule import RATIO_EDGES
 from .packing import Pack, copy_into, packs
 from .formats import FloatFormat, get_format
 from .rounding import move_probability, quantize, update_ulp_ratio, would_freeze
 
 __all__ = ["FreezeRecord", "StepTracker", "FreezePredictor", "FreezeObserver", "freeze_step", "freeze_order",
-           "steps_agree", "named_tensors", "mask_mismatch", "RATIO_BINS", "FreezeCounts", "count_freezes"]
+           "steps_agree", "named_tensors", "mask_mismatch", "RATIO_BINS"]
 
 # log2(|d| / gap) histogram bins: edges -24, -23, ..., +8 (values outside go to the end bins).
 RATIO_BINS = list(RATIO_EDGES)

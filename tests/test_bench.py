@@ -1,6 +1,6 @@
 """The fused kernels against the eager code, bit for bit, and the benchmark at tiny sizes.
 
-``lowprec_demo._fused`` runs each kernel either compiled (``torch.compile``) or eagerly. Here the
+``lowprec_demo.kernels`` runs each kernel either compiled (``torch.compile``) or eagerly. Here the
 compiled kernels are compared with the eager path on the exhaustive point sets of
 ``test_rounding.py`` (round to nearest: against the package's own eager code, which that file
 checks against the exact reference), on random bit patterns and numbers around every format's
@@ -21,10 +21,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import test_rounding as TR  # the exhaustive point sets and helpers
 
-from lowprec_demo import _fused, _packing, bench, bench_report, machine, timing
+from lowprec_demo import bench, bench_report, bit_kernels, freeze_rule, kernels, machine, packing, timing
 from lowprec_demo.formats import get_format
 from lowprec_demo.optimizer import LowPrecisionOptimizer
-from lowprec_demo.prediction import RATIO_BINS, FreezeObserver, FreezePredictor, count_freezes
+from lowprec_demo.freeze_counts import count_freezes
+from lowprec_demo.prediction import RATIO_BINS, FreezeObserver, FreezePredictor
 from lowprec_demo.rounding import move_probability, quantize, random_bits, update_ulp_ratio, would_freeze
 
 pytestmark = [pytest.mark.filterwarnings("ignore:invalid value encountered in cast:RuntimeWarning"),
@@ -46,9 +47,9 @@ def compiled():
     calls them (one grad mode: no version compiled for the other); skipped where torch.compile
     cannot build them (no C++ compiler): the eager path is then all there is, and
     test_rounding.py checks it."""
-    _fused.compile_all("cpu")
-    kernels = _fused._KERNELS
-    failed = {k: v.failed["cpu"] for k, v in kernels.items() if "cpu" in v.failed}
+    kernels.compile_all("cpu")
+    table = kernels._KERNELS
+    failed = {k: v.failed["cpu"] for k, v in table.items() if "cpu" in v.failed}
     if failed:
         pytest.skip(f"torch.compile is not available here: {failed}")
 
@@ -57,7 +58,7 @@ def compiled():
             with torch.no_grad():
                 return fn(*args, **options)
         return call
-    return {name: without_grad(k.compiled_call("cpu")) for name, k in kernels.items()}
+    return {name: without_grad(k.compiled_call("cpu")) for name, k in table.items()}
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -84,10 +85,10 @@ ROUND_FORMATS = {**TR.EXHAUSTIVE, **TR.WIDE}
 def test_compiled_nearest_is_the_eager_code_on_the_exhaustive_points(compiled, key, policy):
     fmt = TR.EXHAUSTIVE[key]
     x = torch.from_numpy(TR.exhaustive_points(key).astype(np.float32))
-    p = torch.tensor(_fused.nearest_params(fmt, policy), dtype=torch.int32)
+    p = torch.tensor(bit_kernels.nearest_params(fmt, policy), dtype=torch.int32)
     eager = TR.generic_nearest(x, fmt, policy)
     assert same_bits(compiled["nearest"](x.view(torch.int32), p).view(torch.float32), eager)
-    assert same_bits(_fused.rne_fp32(x, p), eager)   # the kernel function run eagerly
+    assert same_bits(bit_kernels.rne_fp32(x, p), eager)   # the kernel function run eagerly
     y = x.clone()
     compiled["nearest_"](y.view(torch.int32), p)
     assert same_bits(y, eager)
@@ -98,7 +99,7 @@ def test_compiled_nearest_on_random_inputs(compiled, key):
     fmt = ROUND_FORMATS[key]
     x = sample_fp32(fmt, sum(map(ord, key)))
     for policy in TR.policies(fmt):
-        p = torch.tensor(_fused.nearest_params(fmt, policy), dtype=torch.int32)
+        p = torch.tensor(bit_kernels.nearest_params(fmt, policy), dtype=torch.int32)
         got = compiled["nearest"](x.view(torch.int32), p).view(torch.float32)
         assert same_bits(got, TR.generic_nearest(x, fmt, policy)), policy
 
@@ -115,9 +116,9 @@ def test_the_freeze_kernels_rounding_is_the_nearest_kernels(key):
         x = x[~x.isnan()]
         u = torch.clamp(x.view(torch.int32) & 0x7FFFFFFF, max=0x7F800000)
         for policy in TR.policies(fmt):
-            p = torch.tensor(_fused.nearest_params(fmt, policy), dtype=torch.int32)
-            want = _fused.rne_fp32(x, p).view(torch.int32) & 0x7FFFFFFF
-            assert torch.equal(_fused._rne_magnitude(u, p[0], p[1], p[2], p[3]), want), policy
+            p = torch.tensor(bit_kernels.nearest_params(fmt, policy), dtype=torch.int32)
+            want = bit_kernels.rne_fp32(x, p).view(torch.int32) & 0x7FFFFFFF
+            assert torch.equal(bit_kernels.rne_magnitude(u, p[0], p[1], p[2], p[3]), want), policy
 
 
 def test_quantize_takes_the_compiled_path_in_every_mode_alike():
@@ -125,13 +126,13 @@ def test_quantize_takes_the_compiled_path_in_every_mode_alike():
     x = sample_fp32(get_format("e4m3"), 3)
     out = {}
     for mode in ("off", "on"):
-        previous = _fused.set_mode(mode)
+        previous = kernels.set_mode(mode)
         try:
             out[mode] = [quantize(x, f, r, generator=7, rand_bits=k)
                          for f in ("bf16", "e4m3", "e5m2", "e5m3", "e3m2")
                          for r, k in (("nearest", None), ("stochastic", None), ("stochastic", 3))]
         finally:
-            _fused.set_mode(previous)
+            kernels.set_mode(previous)
     assert all(same_bits(a, b) for a, b in zip(out["off"], out["on"]))
 
 
@@ -150,7 +151,7 @@ def sr_by_integer_position(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     sign, u = bits & -(1 << 31), bits & 0x7FFFFFFF
     nan = u > 0x7F800000
     u = torch.where(nan, 0, u)
-    top, s, d = _fused._decompose(u, man_bits, emin_b)
+    top, s, d = bit_kernels._decompose(u, man_bits, emin_b)
     frac = s & ((1 << torch.clamp(d, max=25)) - 1)
     sh = torch.clamp(d - k, min=0, max=26)
     half = (1 << sh) >> 1
@@ -158,7 +159,7 @@ def sr_by_integer_position(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     position = torch.where(d > k, (frac + (half - 1 + odd).clamp(min=0)) >> sh, frac)
     j = torch.clamp(d, max=k)
     index = torch.arange(x.numel(), dtype=torch.int32) + first
-    r = _fused.hash32(index, s1, s2)
+    r = bit_kernels.hash32(index, s1, s2)
     top_j = (r >> torch.clamp(32 - j, min=0, max=31)) & (0x7FFFFFFF >> torch.clamp(31 - j, min=0, max=31))
     move = (top_j < position) & ((j < 32) | (r >= 0))
     q = (s - frac) + (move.to(torch.int32) << torch.clamp(d, max=24))
@@ -173,15 +174,15 @@ def test_compiled_sr_is_the_eager_function(compiled, key):
     x = sample_fp32(fmt, sum(map(ord, key)), n=10_000)
     for policy in TR.policies(fmt):
         for k in (None, 1, 3, 8, 23, 24, 31, 32):
-            p = torch.tensor(_fused.stochastic_params(fmt, policy, k, 1234567891234), dtype=torch.int32)
-            eager = _fused.sr_fp32(x, p)
+            p = torch.tensor(bit_kernels.stochastic_params(fmt, policy, k, 1234567891234), dtype=torch.int32)
+            eager = bit_kernels.sr_fp32(x, p)
             assert same_bits(eager, sr_by_integer_position(x, p)), (policy, k)
             assert same_bits(compiled["stochastic"](x.view(torch.int32), p).view(torch.float32), eager), (policy, k)
             y = x.clone()
             compiled["stochastic_"](y.view(torch.int32), p)
             assert same_bits(y, eager), (policy, k)
         # every result is on the grid (continued above max, then the policy)
-        y = _fused.sr_fp32(x, p)
+        y = bit_kernels.sr_fp32(x, p)
         assert same_bits(quantize(y, fmt, overflow=policy), y)
 
 
@@ -191,32 +192,32 @@ def test_eager_slices_give_the_same_bits(monkeypatch):
     x = sample_fp32(get_format("e4m3"), 21, n=5000)
     new = x * (1 + 2.0**-5)
     fmt = get_format("e4m3")
-    p = torch.tensor(_fused.stochastic_params(fmt, "saturate", None, 77), dtype=torch.int32)
-    whole = _fused.sr_fp32(x, p)
-    fp = torch.tensor(_fused.freeze_params(fmt, 2, RATIO_BINS), dtype=torch.int32)
+    p = torch.tensor(bit_kernels.stochastic_params(fmt, "saturate", None, 77), dtype=torch.int32)
+    whole = bit_kernels.sr_fp32(x, p)
+    fp = torch.tensor(freeze_rule.rule_params(fmt, 2, RATIO_BINS), dtype=torch.int32)
     code = torch.empty(len(x), dtype=torch.uint8)
-    moved = _fused.freeze_code_fp32(x, new, fp, code)
+    moved = bit_kernels.freeze_code_fp32(x, new, fp, code)
     n = len(x) // 2 * 2
     paired = torch.empty(n, dtype=torch.uint8)
-    paired_moved = _fused.freeze_code_fp32(x[:n], new[:n], fp, paired, _fused.pair_pattern(n, x.device), fewbit=False,
-                                           **_fused.gap_options(fmt))
-    monkeypatch.setattr(_fused, "EAGER_CHUNK", 999)
-    previous = _fused.set_mode("off")
+    paired_moved = bit_kernels.freeze_code_fp32(x[:n], new[:n], fp, paired, bit_kernels.pair_pattern(n, x.device), fewbit=False,
+                                           **freeze_rule.gap_options(fmt))
+    monkeypatch.setattr(kernels, "EAGER_CHUNK", 999)
+    previous = kernels.set_mode("off")
     try:
-        assert same_bits(_fused.stochastic(x, fmt, "saturate", None, 77), whole)
+        assert same_bits(kernels.stochastic(x, fmt, "saturate", None, 77), whole)
         y = x.clone()
-        _fused.stochastic_(y, fmt, "saturate", None, 77)
+        kernels.stochastic_(y, fmt, "saturate", None, 77)
         assert same_bits(y, whole)
         code2 = torch.empty_like(code)
-        moved2 = _fused.freeze_code(x, new, fmt, RATIO_BINS, code2, rand_bits=2)
+        moved2 = kernels.freeze_code(x, new, fmt, RATIO_BINS, code2, rand_bits=2)
         assert torch.equal(code2, code)
         paired2 = torch.empty_like(paired)
-        paired_moved2 = _fused.freeze_code(x[:n], new[:n], fmt, RATIO_BINS, paired2, "paired")
+        paired_moved2 = kernels.freeze_code(x[:n], new[:n], fmt, RATIO_BINS, paired2, "paired")
         assert torch.equal(paired2, paired)
         assert torch.allclose(paired_moved2, paired_moved, rtol=1e-12, atol=0, equal_nan=True)
         assert (moved.isnan() and moved2.isnan()) or math.isclose(moved.item(), moved2.item(), rel_tol=1e-12)
     finally:
-        _fused.set_mode(previous)
+        kernels.set_mode(previous)
 
 
 def test_sr_random_bits_are_the_public_hash():
@@ -224,8 +225,8 @@ def test_sr_random_bits_are_the_public_hash():
     hash are below the position in the gap (checked at 32 bits, where d <= k)."""
     n = 50_000
     seed = (0xDEADBEEF << 32) | 0x12345678
-    s1, s2 = _fused.stochastic_params(get_format("bf16"), "inf", None, seed)[6:8]
-    h = _fused.hash32(torch.arange(n, dtype=torch.int32), s1, s2)
+    s1, s2 = bit_kernels.stochastic_params(get_format("bf16"), "inf", None, seed)[6:8]
+    h = bit_kernels.hash32(torch.arange(n, dtype=torch.int32), s1, s2)
     assert torch.equal(h.to(torch.int64) & 0xFFFFFFFF, random_bits((n,), seed))
     # 1 + f * 2**-7 for f = i/2**16: moves up exactly when the top 16 bits of the hash < f * 2**16 / ...
     frac = torch.randint(0, 1 << 16, (n,))
@@ -251,17 +252,17 @@ def exact_bins(ratio: torch.Tensor) -> torch.Tensor:
 
 def paired_options(fmt):
     """The options of the freeze kernel for the format without the few-bit flag."""
-    return {"fewbit": False, **_fused.gap_options(fmt)}
+    return {"fewbit": False, **freeze_rule.gap_options(fmt)}
 
 
 def split_pack(old, new, cut):
     """A pack of two tensors, ``old[:cut]`` and ``old[cut:]``, and the two flat buffers of
     ``old`` and ``new`` in its layout (each tensor starting at a block's start)."""
-    pack = _packing.Pack([0, 1], [old[:cut], old[cut:]], block=_fused.BLOCK)
+    pack = packing.Pack([0, 1], [old[:cut], old[cut:]], block=kernels.BLOCK)
     buffers = []
     for t in (old, new):
         buffer = pack.zeros()
-        _packing.copy_into(pack.views(buffer), [t[:cut], t[cut:]])
+        packing.copy_into(pack.views(buffer), [t[:cut], t[cut:]])
         buffers.append(buffer)
     return pack, buffers[0], buffers[1]
 
@@ -292,9 +293,9 @@ def test_freeze_code_is_the_freeze_rule(compiled, key):
     frozen = would_freeze(stored, update, fmt)
     ratio = update_ulp_ratio(stored, update, fmt)
     for k in (None, 1, 3, 8):
-        p = torch.tensor(_fused.freeze_params(fmt, k, RATIO_BINS), dtype=torch.int32)
+        p = torch.tensor(freeze_rule.rule_params(fmt, k, RATIO_BINS), dtype=torch.int32)
         code, eager_code = (torch.empty(len(old), dtype=torch.uint8) for _ in range(2))
-        eager_moved = _fused.freeze_code_fp32(old, new, p, eager_code)
+        eager_moved = bit_kernels.freeze_code_fp32(old, new, p, eager_code)
         moved = compiled["freeze"](old, new, p, code)
         assert torch.equal(code, eager_code)
         tag = (torch.arange(len(old), dtype=torch.int32) % 3) << 8
@@ -302,9 +303,9 @@ def test_freeze_code_is_the_freeze_rule(compiled, key):
         compiled["freeze"](old, new, p, tagged, tag)
         assert torch.equal(tagged, code.to(torch.int32) | tag)
         paired, eager_paired = torch.empty_like(code), torch.empty_like(code)
-        pattern = _fused.pair_pattern(len(old), old.device)
+        pattern = bit_kernels.pair_pattern(len(old), old.device)
         paired_moved = compiled["freeze"](old, new, p, paired, pattern, **paired_options(fmt))
-        eager_paired_moved = _fused.freeze_code_fp32(old, new, p, eager_paired, pattern, **paired_options(fmt))
+        eager_paired_moved = bit_kernels.freeze_code_fp32(old, new, p, eager_paired, pattern, **paired_options(fmt))
         assert torch.equal(paired, eager_paired)
         for got, want in ((paired_moved, moved), (eager_paired_moved, eager_moved)):
             assert torch.allclose(got, want, rtol=0, atol=0, equal_nan=True)
@@ -314,13 +315,13 @@ def test_freeze_code_is_the_freeze_rule(compiled, key):
         assert torch.equal(paired[1::2], frozen[1::2] | (bins[1::2] << 1))
         hist_of = lambda b: torch.bincount(b, minlength=64)[:len(RATIO_BINS) + 1].tolist()   # (NaN: 63, left out)
         n = len(code) // 2 * 2
-        one = _packing.Pack([0], [old[:n]])   # one tensor, an even number of elements: two codes per entry
+        one = packing.Pack([0], [old[:n]])   # one tensor, an even number of elements: two codes per entry
         counts, = count_freezes([(one, old[:n], new[:n])], [fmt], RATIO_BINS)
         assert counts.frozen == [frozen[:n].sum().item()] and counts.fewbit == 0
         assert counts.ratio_hist == hist_of(bins[:n])
         # the "bytes" layout of packs of several tensors: c << 1 | (i & 1), one bincount entry each
         in_bytes = torch.empty_like(code)
-        compiled["freeze"](old, new, p, in_bytes, _fused.pair_pattern(len(old), old.device, "bytes"), **paired_options(fmt))
+        compiled["freeze"](old, new, p, in_bytes, bit_kernels.pair_pattern(len(old), old.device, "bytes"), **paired_options(fmt))
         assert torch.equal(in_bytes, ((frozen << 1) | (i & 1) | (bins.long() << 2)).to(torch.uint8))
         cut = len(old) // 3
         two, old2, new2 = split_pack(old, new, cut)   # the zeros in the gaps are counted out
@@ -331,17 +332,17 @@ def test_freeze_code_is_the_freeze_rule(compiled, key):
         # of elements): one tensor, or several tagged by tensor
         odd = len(old) - 1 + len(old) % 2
         flagged = (code >> 1) & 1
-        cases = [(_packing.Pack([0], [old[:odd]]), old[:odd], new[:odd], [frozen[:odd].sum().item()], odd)]
+        cases = [(packing.Pack([0], [old[:odd]]), old[:odd], new[:odd], [frozen[:odd].sum().item()], odd)]
         if k is not None:
             cases.append((two, old2, new2, [frozen[:cut].sum().item(), frozen[cut:].sum().item()], len(old)))
         for pack, a, b, want, m in cases:
             counts, = count_freezes([(pack, a, b)], [fmt], RATIO_BINS, rand_bits=k)
             assert counts.frozen == want and counts.ratio_hist == hist_of(bins[:m])
             assert counts.fewbit == flagged[:m].sum().item()
-        n = len(code) // _fused.BLOCK * _fused.BLOCK   # the frozen elements per block, as the packs count them
-        blocks = frozen[:n].view(-1, _fused.BLOCK).sum(1).float()
+        n = len(code) // kernels.BLOCK * kernels.BLOCK   # the frozen elements per block, as the packs count them
+        blocks = frozen[:n].view(-1, kernels.BLOCK).sum(1).float()
         assert torch.equal(compiled["frozen_blocks"](in_bytes[:n]), blocks)
-        assert torch.equal(_fused.frozen_blocks_u8(in_bytes[:n]), blocks)
+        assert torch.equal(bit_kernels.frozen_blocks_u8(in_bytes[:n]), blocks)
         assert torch.equal((code & 1).bool(), frozen)
         if k is not None:
             fewbit = torch.round(ratio.clamp(max=1.0) * 2.0**k) == 0
@@ -365,12 +366,12 @@ def test_freeze_code_under_every_overflow_policy(compiled, key):
         fmt = TR.FREEZE_FORMATS[key].with_overflow(policy)
         stored, update = quantize(old, fmt), new - old
         frozen, ratio = would_freeze(stored, update, fmt), update_ulp_ratio(stored, update, fmt)
-        p = torch.tensor(_fused.freeze_params(fmt, None, RATIO_BINS), dtype=torch.int32)
+        p = torch.tensor(freeze_rule.rule_params(fmt, None, RATIO_BINS), dtype=torch.int32)
         code, eager_code = (torch.empty(len(old), dtype=torch.uint8) for _ in range(2))
         moved = compiled["freeze"](old, new, p, code)
-        _fused.freeze_code_fp32(old, new, p, eager_code)
+        bit_kernels.freeze_code_fp32(old, new, p, eager_code)
         paired = torch.empty_like(code)
-        compiled["freeze"](old, new, p, paired, _fused.pair_pattern(len(old), old.device), **paired_options(fmt))
+        compiled["freeze"](old, new, p, paired, bit_kernels.pair_pattern(len(old), old.device), **paired_options(fmt))
         assert torch.equal(code, eager_code), policy
         assert torch.equal((code & 1).bool(), frozen), policy
         assert torch.equal((code >> 2).to(torch.int64), exact_bins(ratio)), policy
@@ -395,33 +396,33 @@ def test_the_ratio_bins_are_those_of_their_edges(edges, mode):
     bins = torch.where(r > 0, (ceil_log2 - edges[0]).clamp(0, len(edges)), torch.zeros_like(r))
     bins = torch.where(torch.isinf(r), float(len(edges)), bins)[~r.isnan()].to(torch.int64)
     want = torch.bincount(bins, minlength=len(edges) + 1).tolist()
-    one, several = (_packing.Pack([0], [old]), old, new), split_pack(old, new, 100)
-    previous = _fused.set_mode(mode)
+    one, several = (packing.Pack([0], [old]), old, new), split_pack(old, new, 100)
+    previous = kernels.set_mode(mode)
     try:
         for pair, k in ((one, None), (one, 3), (several, None), (several, 3)):   # paired, codes, bytes, tagged
             counts, = count_freezes([pair], [fmt], edges, k)
             assert counts.ratio_hist == want, (edges[0], k)
     finally:
-        _fused.set_mode(previous)
+        kernels.set_mode(previous)
     for bad in ([0, 2, 3], [], list(range(-70, 1)), [125, 126, 127]):
         with pytest.raises(ValueError):
-            _fused.ratio_bin_params(bad)
+            freeze_rule.ratio_bin_params(bad)
 
 
 def test_equal_count_is_torch_eq(compiled):
     a = torch.tensor([0.0, -0.0, math.nan, math.inf, -math.inf, 1.0, 2.0, math.inf] * 1000)
     b = torch.tensor([-0.0, 0.0, math.nan, math.inf, math.inf, 1.0, 2.5, 3.0] * 1000)
     assert compiled["equal_count"](a, b).item() == torch.eq(a, b).sum().item() == 4000
-    assert _fused.equal_count_fp32(a, b).item() == 4000
+    assert bit_kernels.equal_count_fp32(a, b).item() == 4000
 
 
 def test_changed_blocks_is_torch_ne(compiled):
     a = torch.tensor([0.0, -0.0, math.nan, math.inf, -math.inf, 1.0, 2.0, math.inf] * 1000)
     b = torch.tensor([-0.0, 0.0, math.nan, math.inf, math.inf, 1.0, 2.5, 3.0] * 1000)
     b[::7] = a[::7]   # NaN included: it still differs
-    want = (~torch.eq(a, b)).view(-1, _fused.BLOCK).sum(1).float()
+    want = (~torch.eq(a, b)).view(-1, kernels.BLOCK).sum(1).float()
     assert torch.equal(compiled["changed_blocks"](a, b), want)
-    assert torch.equal(_fused.changed_blocks_fp32(a, b), want)
+    assert torch.equal(bit_kernels.changed_blocks_fp32(a, b), want)
     assert want.sum().item() == 8000 - torch.eq(a, b).sum().item()
 
 
@@ -464,11 +465,11 @@ def test_packed_predictor_matches_the_tensor_by_tensor_path(mode, rand_bits):
                     bins = exact_bins(ratio.reshape(-1))
                     exact_hist[f] += np.bincount(bins[bins < 63].numpy(), minlength=len(RATIO_BINS) + 1)
 
-    previous = _fused.set_mode(mode)
+    previous = kernels.set_mode(mode)
     try:
         _run_trackers([packed, by_tensor, Histogram()], tensors)
     finally:
-        _fused.set_mode(previous)
+        kernels.set_mode(previous)
     for f in formats:
         a, b = packed.record(f), by_tensor.record(f)
         assert repr(a.by_tensor) == repr(b.by_tensor) and a.overall == b.overall and a.sizes == b.sizes
@@ -489,7 +490,7 @@ def test_packed_observer_matches_the_tensor_by_tensor_path(mode):
     by_tensor._packed_now = lambda: None
     with torch.no_grad():
         tensors["a"][:100] = quantize(tensors["a"][:100], "e2m1")   # some elements do not move
-    previous = _fused.set_mode(mode)
+    previous = kernels.set_mode(mode)
     try:
         g = torch.Generator().manual_seed(2)
         for _ in range(3):
@@ -498,7 +499,7 @@ def test_packed_observer_matches_the_tensor_by_tensor_path(mode):
                 t.copy_(quantize(t + 1e-3 * torch.randn(t.shape, generator=g), "e4m3"))
             packed.after_step(), by_tensor.after_step()
     finally:
-        _fused.set_mode(previous)
+        kernels.set_mode(previous)
     assert repr(packed.record().by_tensor) == repr(by_tensor.record().by_tensor)   # (NaN included)
     assert packed.record().overall == by_tensor.record().overall
     assert len(packed.record().by_tensor["s"]) == 3 and all(map(math.isnan, packed.record().by_tensor["z"]))
@@ -535,12 +536,12 @@ def test_optimizer_store_is_quantize(fmt, mode):
     params = [torch.nn.Parameter(torch.randn(s) * 2) for s in [(3, 5), (7,), (1 << 16,), (4, 4, 2), ()]]
     params.append(torch.nn.Parameter(torch.randn(6, 4).t()))   # not contiguous: rounded on its own
     raw = [p.detach().clone() for p in params]
-    previous = _fused.set_mode(mode)
+    previous = kernels.set_mode(mode)
     try:
         opt = LowPrecisionOptimizer(torch.optim.SGD(params, lr=0.05), fmt, round_initial=False)
         opt.round_params()
     finally:
-        _fused.set_mode(previous)
+        kernels.set_mode(previous)
     for p, b in zip(params, raw):
         assert same_bits(p.detach(), quantize(b, fmt))
 
@@ -550,7 +551,7 @@ def test_optimizer_sr_is_the_same_in_every_mode():
     for mode in ("off", "on"):
         torch.manual_seed(0)
         params = [torch.nn.Parameter(torch.randn(s)) for s in [(300,), (1 << 16,), (5, 5)]]
-        previous = _fused.set_mode(mode)
+        previous = kernels.set_mode(mode)
         try:
             opt = LowPrecisionOptimizer(torch.optim.Adam(params, lr=1e-3), "e4m3", rounding="stochastic",
                                         generator=torch.Generator().manual_seed(3), state_format="bf16",
@@ -560,7 +561,7 @@ def test_optimizer_sr_is_the_same_in_every_mode():
                     p.grad = torch.ones_like(p)
                 opt.step()
         finally:
-            _fused.set_mode(previous)
+            kernels.set_mode(previous)
         runs[mode] = [p.detach().clone() for p in params]
         assert all(torch.equal(quantize(p, "e4m3"), p) for p in runs[mode])
     assert all(torch.equal(a, b) for a, b in zip(runs["off"], runs["on"]))
@@ -572,21 +573,21 @@ def test_optimizer_sr_is_the_same_in_every_mode():
 def test_a_failing_compiler_falls_back_to_the_eager_path(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("no C++ compiler here")
-    saved = dict(_fused._KERNELS)
-    _fused.reset()
+    saved = dict(kernels._KERNELS)
+    kernels.reset()
     monkeypatch.setattr(torch, "compile", broken)
-    previous = _fused.set_mode("on")
+    previous = kernels.set_mode("on")
     try:
         x = torch.randn(1000)
         a = quantize(x, "e5m3", "stochastic", generator=5)
-        status = _fused.status()
+        status = kernels.status()
         assert "no C++ compiler here" in status["kernels"]["stochastic"]["failed"]["cpu"]
         assert status["kernels"]["stochastic"]["calls"]["eager"] == 1
         assert torch.equal(a, quantize(x, "e5m3", "stochastic", generator=5))
     finally:
-        _fused.set_mode(previous)
-        _fused._KERNELS.clear()
-        _fused._KERNELS.update(saved)
+        kernels.set_mode(previous)
+        kernels._KERNELS.clear()
+        kernels._KERNELS.update(saved)
     assert torch.equal(a, quantize(x, "e5m3", "stochastic", generator=5))
 
 
@@ -594,39 +595,39 @@ def test_auto_mode_compiles_once_the_eager_work_reaches_the_budget(monkeypatch):
     """"auto" runs a kernel eagerly until its eager work would reach EAGER_BUDGET elements,
     then compiled; status() counts both; the bits are the same (long calls run eagerly in
     slices, nearest and the block counts included)."""
-    saved = dict(_fused._KERNELS)
-    _fused.reset()
-    monkeypatch.setattr(_fused, "EAGER_BUDGET", 3000)
-    monkeypatch.setattr(_fused, "EAGER_CHUNK", 640)
-    previous = _fused.set_mode("auto")
+    saved = dict(kernels._KERNELS)
+    kernels.reset()
+    monkeypatch.setattr(kernels, "EAGER_BUDGET", 3000)
+    monkeypatch.setattr(kernels, "EAGER_CHUNK", 640)
+    previous = kernels.set_mode("auto")
     try:
         x = sample_fp32(get_format("e5m3"), 9, n=1000)[:1984]
         first = [quantize(x, "e5m3", "stochastic", generator=5), quantize(x, "e5m3"),
-                 _fused.changed_blocks(x, x.flip(0))]
-        kernels = _fused.status()["kernels"]
+                 kernels.changed_blocks(x, x.flip(0))]
+        table = kernels.status()["kernels"]
         for name in ("stochastic", "nearest", "changed_blocks"):
-            assert kernels[name]["calls"] == {"compiled": 0, "eager": 1}, name
+            assert table[name]["calls"] == {"compiled": 0, "eager": 1}, name
         second = [quantize(x, "e5m3", "stochastic", generator=5), quantize(x, "e5m3"),
-                  _fused.changed_blocks(x, x.flip(0))]
-        kernels = _fused.status()["kernels"]
+                  kernels.changed_blocks(x, x.flip(0))]
+        table = kernels.status()["kernels"]
         for name in ("stochastic", "nearest", "changed_blocks"):
-            if "cpu" not in kernels[name]["failed"]:   # (where torch.compile works here)
-                assert kernels[name]["calls"] == {"compiled": 1, "eager": 1}, name
-                assert kernels[name]["compiled"] == ["cpu"] and kernels[name]["compile_seconds"]["cpu"] > 0
+            if "cpu" not in table[name]["failed"]:   # (where torch.compile works here)
+                assert table[name]["calls"] == {"compiled": 1, "eager": 1}, name
+                assert table[name]["compiled"] == ["cpu"] and table[name]["compile_seconds"]["cpu"] > 0
         assert all(same_bits(a, b) for a, b in zip(first, second))
     finally:
-        _fused.set_mode(previous)
-        _fused._KERNELS.clear()
-        _fused._KERNELS.update(saved)
+        kernels.set_mode(previous)
+        kernels._KERNELS.clear()
+        kernels._KERNELS.update(saved)
 
 
 def test_modes():
-    previous = _fused.set_mode("off")
-    assert _fused.get_mode() == "off"
-    _fused.set_mode(previous)
+    previous = kernels.set_mode("off")
+    assert kernels.get_mode() == "off"
+    kernels.set_mode(previous)
     with pytest.raises(ValueError, match="auto, on, off"):
-        _fused.set_mode("always")
-    assert _packing.group([torch.zeros(3), torch.zeros(1 << 16), torch.zeros(2), torch.zeros(2)]) == [[0], [1], [2, 3]]
+        kernels.set_mode("always")
+    assert packing.group([torch.zeros(3), torch.zeros(1 << 16), torch.zeros(2), torch.zeros(2)]) == [[0], [1], [2, 3]]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -664,7 +665,7 @@ def test_cpu_identity_reads_the_first_processor(tmp_path, monkeypatch):
 def test_the_split_times_the_kernels_own_hash():
     """The benchmark's "hash alone" is the stochastic-rounding kernel's random bits."""
     seed = 0x1234_5678_9ABC
-    p = torch.tensor(_fused.stochastic_params(get_format("bf16"), "inf", None, seed), dtype=torch.int32)
+    p = torch.tensor(bit_kernels.stochastic_params(get_format("bf16"), "inf", None, seed), dtype=torch.int32)
     bits = bench._hash_only(torch.zeros(3000, dtype=torch.int32), p).to(torch.int64) & 0xFFFFFFFF
     assert torch.equal(bits, random_bits((3000,), seed))
 
@@ -816,28 +817,28 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"
 def test_cuda_compiled_kernels_match_the_cpu(key):
     fmt = ROUND_FORMATS[key]
     x = sample_fp32(fmt, 11)
-    previous = _fused.set_mode("on")
+    previous = kernels.set_mode("on")
     try:
         for policy in TR.policies(fmt):
-            assert same_bits(_fused.nearest(x.cuda(), fmt, policy).cpu(), TR.generic_nearest(x, fmt, policy))
+            assert same_bits(kernels.nearest(x.cuda(), fmt, policy).cpu(), TR.generic_nearest(x, fmt, policy))
             for k in (None, 3):
-                cpu = _fused.sr_fp32(x, torch.tensor(_fused.stochastic_params(fmt, policy, k, 99), dtype=torch.int32))
-                assert same_bits(_fused.stochastic(x.cuda(), fmt, policy, k, 99).cpu(), cpu)
+                cpu = bit_kernels.sr_fp32(x, torch.tensor(bit_kernels.stochastic_params(fmt, policy, k, 99), dtype=torch.int32))
+                assert same_bits(kernels.stochastic(x.cuda(), fmt, policy, k, 99).cpu(), cpu)
         old, new = x[:20_000].nan_to_num(0.0, 0.0, 0.0), x[:20_000] * (1 + 2.0**-9)
         code = torch.empty(len(old), dtype=torch.uint8, device="cuda")
-        moved = _fused.freeze_code(old.cuda(), new.cuda().nan_to_num(0.0, 0.0, 0.0), fmt, RATIO_BINS, code, rand_bits=3)
-        p = torch.tensor(_fused.freeze_params(fmt, 3, RATIO_BINS), dtype=torch.int32)
+        moved = kernels.freeze_code(old.cuda(), new.cuda().nan_to_num(0.0, 0.0, 0.0), fmt, RATIO_BINS, code, rand_bits=3)
+        p = torch.tensor(freeze_rule.rule_params(fmt, 3, RATIO_BINS), dtype=torch.int32)
         want_code = torch.empty(len(old), dtype=torch.uint8)
-        want_moved = _fused.freeze_code_fp32(old, new.nan_to_num(0.0, 0.0, 0.0), p, want_code)
+        want_moved = bit_kernels.freeze_code_fp32(old, new.nan_to_num(0.0, 0.0, 0.0), p, want_code)
         assert torch.equal(code.cpu(), want_code)
         assert math.isclose(moved.item(), want_moved.item(), rel_tol=1e-9)
         paired = torch.empty(len(old), dtype=torch.uint8, device="cuda")
-        moved = _fused.freeze_code(old.cuda(), new.cuda().nan_to_num(0.0, 0.0, 0.0), fmt, RATIO_BINS, paired, "paired")
+        moved = kernels.freeze_code(old.cuda(), new.cuda().nan_to_num(0.0, 0.0, 0.0), fmt, RATIO_BINS, paired, "paired")
         want = torch.empty(len(old), dtype=torch.uint8)
-        p = torch.tensor(_fused.freeze_params(fmt, None, RATIO_BINS), dtype=torch.int32)
-        want_moved = _fused.freeze_code_fp32(old, new.nan_to_num(0.0, 0.0, 0.0), p, want,
-                                             _fused.pair_pattern(len(old), "cpu"), **paired_options(fmt))
+        p = torch.tensor(freeze_rule.rule_params(fmt, None, RATIO_BINS), dtype=torch.int32)
+        want_moved = bit_kernels.freeze_code_fp32(old, new.nan_to_num(0.0, 0.0, 0.0), p, want,
+                                             bit_kernels.pair_pattern(len(old), "cpu"), **paired_options(fmt))
         assert torch.equal(paired.cpu(), want)
         assert math.isclose(moved.item(), want_moved.item(), rel_tol=1e-9)
     finally:
-        _fused.set_mode(previous)
+        kernels.set_mode(previous)

@@ -48,8 +48,9 @@ def check_bits(device: str, mode: str = "on", n_random: int = 50_000, stride: in
     import numpy as np
     import torch
 
-    from lowprec_demo import _fused
+    from lowprec_demo import bit_kernels, kernels
     from lowprec_demo.formats import get_format
+    from lowprec_demo.freeze_rule import rule_params
     from lowprec_demo.prediction import RATIO_BINS
     from lowprec_demo.rounding import quantize
 
@@ -84,7 +85,7 @@ def check_bits(device: str, mode: str = "on", n_random: int = 50_000, stride: in
         return int((a.isnan() != b.isnan()).sum()) + int((a[~nan].view(torch.int32) != b[~nan].view(torch.int32)).sum())
 
     out = {"mode": mode}
-    previous = _fused.set_mode(mode)
+    previous = kernels.set_mode(mode)
     try:
         out["point_sets"] = ("exhaustive (tests/test_rounding.py)" if TR is not None
                              else f"bit patterns, stride {stride or 4093}")
@@ -94,34 +95,34 @@ def check_bits(device: str, mode: str = "on", n_random: int = 50_000, stride: in
             rnd = random_inputs(fmt, n_random)
             row = {"points": len(pts), "random": len(rnd)}
             for policy in policies(fmt):
-                row[f"nearest_{policy}"] = differ(_fused.nearest(pts.to(device), fmt, policy),
+                row[f"nearest_{policy}"] = differ(kernels.nearest(pts.to(device), fmt, policy),
                                                   exact_nearest(pts, fmt, policy))
                 for k in (None, 3):
-                    p = torch.tensor(_fused.stochastic_params(fmt, policy, k, 2024), dtype=torch.int32)
-                    row[f"stochastic_{policy}_k{k}"] = differ(_fused.stochastic(rnd.to(device), fmt, policy, k, 2024),
-                                                              _fused.sr_fp32(rnd, p))
+                    p = torch.tensor(bit_kernels.stochastic_params(fmt, policy, k, 2024), dtype=torch.int32)
+                    row[f"stochastic_{policy}_k{k}"] = differ(kernels.stochastic(rnd.to(device), fmt, policy, k, 2024),
+                                                              bit_kernels.sr_fp32(rnd, p))
             old = rnd.nan_to_num(0.0, 0.0, 0.0)
             new = (old * (1 + 2.0**-9) + 1e-7).nan_to_num(0.0, 0.0, 0.0)
             code = torch.empty(old.numel(), dtype=torch.uint8, device=device)
-            moved = _fused.freeze_code(old.to(device), new.to(device), fmt, RATIO_BINS, code, "codes", 3)
-            p = torch.tensor(_fused.freeze_params(fmt, 3, RATIO_BINS), dtype=torch.int32)
+            moved = kernels.freeze_code(old.to(device), new.to(device), fmt, RATIO_BINS, code, "codes", 3)
+            p = torch.tensor(rule_params(fmt, 3, RATIO_BINS), dtype=torch.int32)
             want_code = torch.empty(old.numel(), dtype=torch.uint8)
-            want_moved = _fused.freeze_code_fp32(old, new, p, want_code)
+            want_moved = bit_kernels.freeze_code_fp32(old, new, p, want_code)
             row["freeze_code"] = int((code.cpu() != want_code).sum())
             row["moved_relative_error"] = abs(moved.item() - want_moved.item()) / max(1e-300, abs(want_moved.item()))
             out[key] = row
         # quantize end to end, as users call it (nearest float8 takes the fused kernel on the GPU)
         x = random_inputs(get_format("e4m3"), 100_000)
-        out["quantize_e4m3_vs_cpu"] = differ(_fused.nearest(x.to(device), get_format("e4m3"), "saturate"),
+        out["quantize_e4m3_vs_cpu"] = differ(kernels.nearest(x.to(device), get_format("e4m3"), "saturate"),
                                              exact_nearest(x, get_format("e4m3"), "saturate"))
     finally:
-        _fused.set_mode(previous)
+        kernels.set_mode(previous)
     out["total_differences"] = sum(v for row in out.values() if isinstance(row, dict)
                                    for k, v in row.items() if k not in ("points", "random", "moved_relative_error")) + \
         out["quantize_e4m3_vs_cpu"]
     out["moved_relative_error_max"] = max(row["moved_relative_error"] for row in out.values()
                                           if isinstance(row, dict) and "moved_relative_error" in row)
-    out["fused_status"] = _fused.status()
+    out["fused_status"] = kernels.status()
     return out
 
 
@@ -168,21 +169,21 @@ def main(argv=None) -> int:
             result["triton"] = triton.__version__
         except Exception as error:
             result["triton"] = f"not importable: {error}"
-        from lowprec_demo import _fused, bench
+        from lowprec_demo import bench, kernels
     except Exception:
         result["error"] = traceback.format_exc()
         save()
         print(result["error"])
         return 1
-    previous_mode = _fused.set_mode(args.mode)
+    previous_mode = kernels.set_mode(args.mode)
     try:
         return _stages(args, result, t0, save)
     finally:
-        _fused.set_mode(previous_mode)
+        kernels.set_mode(previous_mode)
 
 
 def _stages(args, result: dict, t0: float, save) -> int:
-    from lowprec_demo import _fused, bench
+    from lowprec_demo import bench, kernels
 
     if not args.no_check:
         _say(t0, "bits: compiled GPU kernels against the CPU's eager code ...")
@@ -219,7 +220,7 @@ def _stages(args, result: dict, t0: float, save) -> int:
             _say(t0, "speed: failed:\n" + result["stages"]["bench"]["error"])
     else:
         result["stages"]["bench"] = {"skipped": f"budget of {args.budget} s spent"}
-    result["fused_status"] = _fused.status()
+    result["fused_status"] = kernels.status()
     failed = [name for name, stage in result["stages"].items() if isinstance(stage, dict) and "error" in stage]
     differ = result["stages"].get("check", {}).get("total_differences", 0)
     result["ok"] = not failed and not differ
