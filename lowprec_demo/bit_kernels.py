@@ -66,10 +66,10 @@ from typing import Dict, Optional
 import torch
 
 from .formats import FloatFormat
-from .freeze_rule import LAYOUTS, code_of, freeze_elements, move_share
+from .freeze_rule import LAYOUTS, code_of, freeze_elements, move_share, watch_code
 
 __all__ = ["nearest_params", "stochastic_params", "seed_words", "hash32", "rne_bits", "rne_bits_", "rne_fp32",
-           "sr_bits", "sr_bits_", "sr_fp32", "rne_magnitude", "freeze_detail_fp32", "freeze_share_fp32",
+           "sr_bits", "sr_bits_", "sr_fp32", "rne_magnitude", "freeze_detail_fp32", "freeze_share_fp32", "watch_code_fp32",
            "freeze_code_fp32", "pair_pattern", "equal_count_fp32", "changed_blocks_fp32", "frozen_blocks_u8",
            "BLOCK", "MAX_NUMEL"]
 
@@ -314,6 +314,16 @@ def freeze_share_fp32(old: torch.Tensor, new: torch.Tensor, p: torch.Tensor, inf
     stuck) and ``|d| / gap`` (float32), from :func:`freeze_detail_fp32`."""
     frozen, ratio, stuck = freeze_detail_fp32(old, new, p, infinite_gap, one_factor)
     return frozen, move_share(ratio, stuck, p[6]), ratio
+
+
+def watch_code_fp32(old: torch.Tensor, new: torch.Tensor, grad: torch.Tensor, tensor_id: torch.Tensor,
+                    log_lr: torch.Tensor, p: torch.Tensor, first_edge: float = -64.0, bins: int = 769,
+                    infinite_gap: bool = True, one_factor: bool = False):
+    """For the freeze watch, in one pass: the codes of :func:`lowprec_demo.freeze_rule.watch_code`
+    (int32) of the update ``new - old`` at ``q(old)`` (:func:`freeze_detail_fp32`), and the move
+    probability of every element (float32, with k random bits resolved to k bits, 0 where stuck)."""
+    frozen, ratio, stuck = freeze_detail_fp32(old, new, p, infinite_gap, one_factor)
+    return watch_code(frozen, ratio, grad, tensor_id, log_lr, first_edge, bins), move_share(ratio, stuck, p[6])
 
 
 def freeze_code_fp32(old: torch.Tensor, new: torch.Tensor, p: torch.Tensor, out: torch.Tensor,

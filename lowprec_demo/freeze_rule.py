@@ -53,7 +53,7 @@ import torch
 from .formats import FloatFormat
 
 __all__ = ["BitLayout", "LAYOUTS", "RATIO_EDGES", "NO_BIN", "rule_params", "ratio_bin_params", "freeze_elements",
-           "gap_exponent", "gap_value", "move_share", "ratio_bin", "code_of", "decode_code", "gap_options", "one_factor_gaps"]
+           "gap_exponent", "gap_value", "move_share", "ratio_bin", "code_of", "decode_code", "watch_code", "gap_options", "one_factor_gaps"]
 
 # the histogram of log2(|d|/gap): bins between consecutive integers from 2**-24 to 2**8
 RATIO_EDGES = tuple(range(-24, 9))
@@ -258,6 +258,25 @@ def decode_code(code: torch.Tensor, fewbit: bool = True) -> tuple:
     if not fewbit:
         return (code & 1).bool(), None, code >> 1
     return (code & 1).bool(), ((code >> 1) & 1).bool(), code >> 2
+
+
+def watch_code(frozen: torch.Tensor, ratio: torch.Tensor, grad: torch.Tensor, tensor_id: torch.Tensor,
+               log_lr: torch.Tensor, first_edge: float, bins: int) -> torch.Tensor:
+    """The freeze watch's code of every element (int32): ``((tensor * bins + at) << 2) | frozen << 1
+    | (grad != 0)``, where ``at`` is the bin of ``y = log2(ratio) - log_lr[tensor]`` (the step per
+    unit of learning rate, in gaps) among ``bins`` bins an eighth of an octave wide from
+    ``first_edge``: ``ceil((y - first_edge) * 8)`` clamped to ``0 .. bins - 1``, NaN in the last.
+    One ``bincount`` of the codes then gives, per tensor, the histogram and the frozen, idle and
+    frozen-with-gradient counts.
+
+    Example:
+        >>> one = torch.ones(1)
+        >>> watch_code(one.bool(), one * 0.25, one, torch.zeros(1, dtype=torch.int32), torch.zeros(1), -2.0, 32).tolist()
+        [35]
+    """
+    y = torch.log2(ratio) - log_lr[tensor_id]
+    at = torch.ceil((y - first_edge) * 8).nan_to_num(nan=bins - 1).clamp(0, bins - 1).to(torch.int32)
+    return ((tensor_id * bins + at) << 2) | (frozen.to(torch.int32) << 1) | (grad != 0).to(torch.int32)
 
 
 def one_factor_gaps(fmt: FloatFormat) -> bool:

@@ -42,7 +42,7 @@ from .freeze_rule import RATIO_EDGES, gap_options, rule_params
 
 __all__ = ["MODES", "EAGER_BUDGET", "EAGER_CHUNK", "MAX_NUMEL", "set_mode", "get_mode", "status", "reset",
            "compile_all", "nearest", "nearest_", "stochastic", "stochastic_", "freeze_code", "freeze_share",
-           "freeze_detail", "equal_count", "changed_blocks", "frozen_blocks", "fits", "LAYOUTS", "BLOCK"]
+           "freeze_detail", "watch_code", "equal_count", "changed_blocks", "frozen_blocks", "fits", "CODE_LAYOUTS", "BLOCK"]
 
 MODES = ("auto", "on", "off")
 EAGER_BUDGET = 1 << 27         # "auto": compile once a kernel's eager work would reach this many elements
@@ -180,6 +180,7 @@ _KERNELS = {
     # a caller's grad mode does not double them
     "freeze": _Kernel(bits.freeze_code_fp32, "freeze"),
     "freeze_share": _Kernel(bits.freeze_share_fp32, "freeze_share"),
+    "watch_code": _Kernel(bits.watch_code_fp32, "watch_code"),
     "freeze_detail": _Kernel(bits.freeze_detail_fp32, "freeze_detail"),
     "equal_count": _Kernel(bits.equal_count_fp32, "equal_count"),
     "changed_blocks": _Kernel(bits.changed_blocks_fp32, "changed_blocks"),
@@ -292,7 +293,7 @@ def frozen_blocks(codes: torch.Tensor) -> torch.Tensor:
     return _KERNELS["frozen_blocks"](codes)
 
 
-LAYOUTS = ("codes", "tagged", "paired", "bytes")
+CODE_LAYOUTS = ("codes", "tagged", "paired", "bytes")
 
 
 def freeze_code(old: torch.Tensor, new: torch.Tensor, fmt: FloatFormat, edges: Sequence[int], out: torch.Tensor,
@@ -318,8 +319,8 @@ def freeze_code(old: torch.Tensor, new: torch.Tensor, fmt: FloatFormat, edges: S
         p = _cached_params("freeze", fmt, None, None, old.device, edges)
         pattern = bits.pair_pattern(old.numel(), old.device, layout)
         return _KERNELS["freeze"](old, new, p, out, pattern, fewbit=False, **gap_options(fmt))
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}; got {layout!r}")
+    if layout not in CODE_LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(CODE_LAYOUTS)}; got {layout!r}")
     p = _cached_params("freeze", fmt, None, rand_bits, old.device, edges)
     return _KERNELS["freeze"](old, new, p, out, tags if layout == "tagged" else None,
                               fewbit=True, infinite_gap=True, one_factor=False)
@@ -332,6 +333,16 @@ def freeze_share(old: torch.Tensor, new: torch.Tensor, fmt: FloatFormat, rand_bi
     (:func:`lowprec_demo.bit_kernels.freeze_share_fp32`)."""
     p = _cached_params("freeze", fmt, None, rand_bits, old.device)
     return _KERNELS["freeze_share"](old, new, p, **gap_options(fmt))
+
+
+def watch_code(old: torch.Tensor, new: torch.Tensor, grad: torch.Tensor, tensor_id: torch.Tensor,
+               log_lr: torch.Tensor, fmt: FloatFormat, first_edge: float, bins: int):
+    """The freeze watch's codes and move probabilities of flat float32 tensors, compiled or
+    eagerly (:func:`lowprec_demo.bit_kernels.watch_code_fp32`); ``tensor_id`` int32, ``log_lr``
+    float32 per tensor."""
+    p = _cached_params("freeze", fmt, None, None, old.device)
+    return _KERNELS["watch_code"](old, new, grad, tensor_id, log_lr, p, first_edge=first_edge, bins=bins,
+                                 **gap_options(fmt))
 
 
 def freeze_detail(old: torch.Tensor, new: torch.Tensor, fmt: FloatFormat, overflow: Optional[str] = None):

@@ -61,6 +61,7 @@ from .formats import DTYPE_FORMATS, FloatFormat, format_of_dtype, get_format
 from .optimizer import LowPrecisionOptimizer
 from .prediction import FreezeRecord, freeze_step
 from .results import atomic_write_json
+from .freeze_rule import watch_code
 from .rounding import move_probability, update_ulp_ratio, would_freeze
 from .runtime import progress_bar
 from .watch_diagnoses import DIAGNOSIS_KINDS, Diagnosis, diagnose
@@ -68,8 +69,9 @@ from .watch_forecast import EDGES, check_schedule, schedule_length, unwrap_sched
 from .watch_forecast import MEMORY as _MEMORY    # the forecast histogram's moving average, kept in after_step
 from .watch_report import WatchReport, jsonable, load_watch
 
-__all__ = ["watch", "FreezeWatch", "Diagnosis", "WatchReport", "load_watch", "DIAGNOSIS_KINDS",
-           "DTYPE_FORMATS", "format_of_dtype"]
+# (Diagnosis, DIAGNOSIS_KINDS, WatchReport, load_watch, DTYPE_FORMATS and format_of_dtype are
+# importable from here too; each is documented in the module that defines it)
+__all__ = ["watch", "FreezeWatch"]
 
 
 def _inner(optimizer):
@@ -98,6 +100,7 @@ class _SamplePlan:
         device = tensors[0].device if tensors else "cpu"
         self.tensor_id = torch.repeat_interleave(torch.arange(len(tensors), device=device),
                                                  torch.tensor(self.counts, device=device))
+        self.tensor_id32 = self.tensor_id.to(torch.int32)
         self.ends = torch.cumsum(torch.tensor(self.counts, device=device), 0) - 1   # every count is >= 1
 
     def gather(self, tensors: List[torch.Tensor], out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -114,15 +117,6 @@ class _SamplePlan:
         exact = torch.int64 if values.dtype == torch.bool else torch.float64
         total = values.cumsum(0, dtype=exact)[self.ends]
         return torch.diff(total, prepend=total.new_zeros(1)).double()
-
-    def histogram(self, y: torch.Tensor) -> torch.Tensor:
-        """Per tensor, the counts of ``y`` in the bins of :data:`~lowprec_demo.watch_forecast.EDGES`
-        (bin i holds ``edges[i-1] < y <= edges[i]``, the first everything up to ``edges[0]``, the
-        last everything above the last edge; NaN counts as above): (tensors, bins), float64."""
-        bins = len(EDGES) + 1
-        at = torch.ceil((y - float(EDGES[0])) * 8).nan_to_num(nan=bins - 1).clamp(0, bins - 1).long()
-        codes = at + self.tensor_id * bins
-        return torch.bincount(codes, minlength=len(self.counts) * bins).view(len(self.counts), bins).cpu().double()
 
 
 class FreezeWatch:
@@ -259,52 +253,20 @@ class FreezeWatch:
             if g is not None:
                 seen = g.reshape(g.shape[0], -1).ne(0).any(1)
                 self._rows_seen[n] = seen if n not in self._rows_seen else self._rows_seen[n] | seen
-        has_grad = grad != 0
-        columns = [~has_grad]                    # per element; summed per tensor in one pass below
+        counted = self._plan.counts
         if self.mode == "observe":
+            has_grad = grad != 0
             same = new == self._before
-            columns += [same, same & has_grad]
-        else:
-            old = self._before
-            update = new - old
-            lrs = torch.tensor([self._lr_now[self._group[n]] for n in self.tracked], dtype=torch.float64)
-            log_lr = torch.log2(lrs.clamp(min=1e-300)).to(torch.float32).to(new.device)[plan.tensor_id]
-            for i, fmt in enumerate(self.formats_given):
-                # the freeze rule at q(old): frozen, the move probability and |d| / gap
-                if kernels.fits(old, fmt):
-                    frozen, moves, ratio = kernels.freeze_share(old, new, fmt)
-                else:
-                    frozen, moves = would_freeze(old, update, fmt), move_probability(old, update, fmt)
-                    ratio = update_ulp_ratio(old, update, fmt)
-                columns += [frozen, moves]
-                if i == 0:
-                    columns.append(frozen & has_grad)
-                y = torch.log2(ratio.float()) - log_lr       # log2(|d| / (lr gap)); -inf for no step
-                counts = plan.histogram(y)
-                counts /= counts.sum(1, keepdim=True).clamp(min=1)
-                h = self._hist.get(fmt.name)     # a moving average: Adam's ratio varies from step to step
-                self._hist[fmt.name] = counts if h is None else h.mul_(1 - 1 / _MEMORY).add_(counts, alpha=1 / _MEMORY)
-        parts = torch.stack([plan.per_tensor(c) for c in columns])
-        values = parts.tolist()                  # one transfer
-        counted = plan.counts
-        for j, n in enumerate(self.tracked):
-            self.idle[n].append(values[0][j] / counted[j])
-        if self.mode == "observe":
+            parts = torch.stack([plan.per_tensor(c) for c in (~has_grad, same, same & has_grad)])
+            values = parts.tolist()                  # one transfer
+            for j, n in enumerate(self.tracked):
+                self.idle[n].append(values[0][j] / counted[j])
+                self.frozen_with_grad[n].append(values[2][j] / counted[j])
             names = list(dict.fromkeys(self._formats[n].name for n in self.tracked))
             self._append({f: [(n, values[1][j], counted[j], None) for j, n in enumerate(self.tracked)
                               if self._formats[n].name == f] for f in names})
-            for j, n in enumerate(self.tracked):
-                self.frozen_with_grad[n].append(values[2][j] / counted[j])
         else:
-            rows, at = {}, 1
-            for i, fmt in enumerate(self.formats_given):
-                frozen, moved = values[at], values[at + 1]
-                if i == 0:
-                    for j, n in enumerate(self.tracked):
-                        self.frozen_with_grad[n].append(values[at + 2][j] / counted[j])
-                at += 3 if i == 0 else 2
-                rows[fmt.name] = [(n, frozen[j], counted[j], moved[j]) for j, n in enumerate(self.tracked)]
-            self._append(rows)
+            self._predict(plan, self._before, new, grad)
         self._watch_counters(step)
         if self.writer is not None:
             for f in self.formats:
@@ -317,6 +279,42 @@ class FreezeWatch:
             self._bar.set_postfix_str(", ".join(f"{f} frozen {self.records[f].overall[-1]:.2f}" for f in self.formats))
         if self.path is not None and len(self.steps) % self.save_every == 0:
             self.save(self.path)
+
+    def _predict(self, plan: "_SamplePlan", old: torch.Tensor, new: torch.Tensor, grad: torch.Tensor) -> None:
+        """Prediction mode's point of every record, from the rule at ``q(old)``: per format one
+        pass writes the codes of :func:`lowprec_demo.freeze_rule.watch_code` (tensor, bin of
+        ``log2(|d| / (lr gap))``, frozen, gradient) and the move probabilities; one bincount of
+        the codes gives every tensor's histogram and counts, a running sum its moves."""
+        n_tensors, bins = len(plan.counts), len(EDGES) + 1
+        lrs = torch.tensor([self._lr_now[self._group[n]] for n in self.tracked], dtype=torch.float64)
+        log_lr = torch.log2(lrs.clamp(min=1e-300)).to(torch.float32).to(new.device)
+        rows, sums = {}, []
+        for fmt in self.formats_given:
+            if kernels.fits(old, fmt):
+                code, moves = kernels.watch_code(old, new, grad, plan.tensor_id32, log_lr, fmt, float(EDGES[0]), bins)
+            else:   # the same rule through the public functions
+                update = new - old
+                code = watch_code(would_freeze(old, update, fmt), update_ulp_ratio(old, update, fmt).float(), grad,
+                                  plan.tensor_id32, log_lr, float(EDGES[0]), bins)
+                moves = move_probability(old, update, fmt)
+            counts = torch.bincount(code, minlength=n_tensors * bins * 4).view(n_tensors, bins, 2, 2)
+            hist = counts.sum((2, 3)).double()
+            hist /= hist.sum(1, keepdim=True).clamp(min=1)
+            h = self._hist.get(fmt.name)     # a moving average: Adam's ratio varies from step to step
+            self._hist[fmt.name] = hist.cpu() if h is None else h.mul_(1 - 1 / _MEMORY).add_(hist.cpu(), alpha=1 / _MEMORY)
+            flags = counts.sum(1)            # (tensor, frozen, gradient)
+            sums.append(torch.stack([flags[:, 1].sum(1).double(), flags[:, 1, 1].double(), flags[:, :, 0].sum(1).double(),
+                                     plan.per_tensor(moves)]))
+        values = torch.stack(sums).tolist()  # one transfer
+        counted = plan.counts
+        for i, fmt in enumerate(self.formats_given):
+            frozen, frozen_grad, idle, moved = values[i]
+            if i == 0:
+                for j, n in enumerate(self.tracked):
+                    self.idle[n].append(idle[j] / counted[j])
+                    self.frozen_with_grad[n].append(frozen_grad[j] / counted[j])
+            rows[fmt.name] = [(n, frozen[j], counted[j], moved[j]) for j, n in enumerate(self.tracked)]
+        self._append(rows)
 
     def _append(self, rows: Dict[str, list]) -> None:
         """One point of every record: per tensor the fraction of its followed elements, overall
@@ -352,7 +350,7 @@ class FreezeWatch:
         """The memory the watch keeps from step to step: its one copy of the tracked parameters,
         the forecast's histograms and the rows-with-gradient flags."""
         tensors = ([self._before] if self._before is not None else []) + list(self._hist.values()) \
-            + list(self._rows_seen.values()) + [self._plan.tensor_id]
+            + list(self._rows_seen.values()) + [self._plan.tensor_id, self._plan.tensor_id32]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     # ---- attach and detach ---------------------------------------------------------------------
