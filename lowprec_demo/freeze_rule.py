@@ -11,7 +11,8 @@ Would it freeze (round to nearest)
     ``|d| < gap / 2``, or ``|d| == gap / 2`` with ``w`` an even multiple of the gap (the tie goes
     to the even neighbour). A *stuck* weight stays whatever the update's size: ``+-max`` of a
     saturating format under an outward update, an infinite weight under any finite update (or
-    an infinite one of its own sign). A NaN weight or update never freezes.
+    an infinite one of its own sign). A NaN weight or update never freezes, and its move
+    probability is NaN.
 Move probability (stochastic rounding)
     ``min(1, |d| / gap)``, 0 for a stuck weight; with k random bits the position in the gap is
     resolved to k bits, ``round_half_even(p * 2**k) / 2**k``, so that an update below
@@ -209,7 +210,7 @@ def freeze_elements(wu: torch.Tensor, signed: torch.Tensor, d: torch.Tensor, p: 
         half_multiple = half_multiple * scale
     half_multiple = half_multiple * 0.5
     frozen = (rb < half_bits) | ((rb == half_bits) & (torch.round(half_multiple) == half_multiple))
-    stuck = (wu == p[4]) & (~opposite | (du < p[7]))
+    stuck = (wu == p[4]) & (~opposite | (du < p[7])) & (du <= inf_bits)   # (a NaN update moves nothing)
     frozen = (frozen | stuck) & (torch.maximum(wu, du) <= inf_bits)       # NaN never
     return frozen, ratio, stuck
 

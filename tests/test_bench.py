@@ -353,6 +353,32 @@ def test_freeze_code_is_the_freeze_rule(compiled, key):
             assert (got.isnan() and want.isnan()) or math.isclose(got.item(), want.item(), rel_tol=1e-9)
 
 
+@pytest.mark.parametrize("key", ["bf16", "fp16", "e4m3", "e5m2", "e2m0", "fp32"])
+def test_the_watch_code_is_the_freeze_rule(compiled, key):
+    """The watch's kernel, compiled and eagerly: frozen is would_freeze, the move probability
+    move_probability, the gradient flag grad != 0, the bin that of log2(ratio) - log2(lr) in
+    eighths of an octave from -64 (769 bins), the tensor its tag."""
+    fmt = TR.FREEZE_FORMATS[key]
+    old, new = freeze_cases(key)
+    n_tensors, bins = 5, 769
+    tensor_id = (torch.arange(len(old), dtype=torch.int32) * n_tensors) // len(old)
+    log_lr = torch.tensor([-3.0, -7.5, -10.25, 0.0, -60.0])
+    grad = torch.where(torch.arange(len(old)) % 7 == 0, 0.0, 1.0)
+    p = torch.tensor(freeze_rule.rule_params(fmt, None, RATIO_BINS), dtype=torch.int32)
+    args = (old, new, grad, tensor_id, log_lr, p)
+    code, moves = compiled["watch_code"](*args, first_edge=-64.0, bins=bins, **freeze_rule.gap_options(fmt))
+    eager_code, eager_moves = bit_kernels.watch_code_fp32(*args, first_edge=-64.0, bins=bins, **freeze_rule.gap_options(fmt))
+    assert torch.equal(code, eager_code) and same_bits(moves, eager_moves)
+    stored, update = quantize(old, fmt), new - old
+    assert torch.equal((code >> 1) & 1, would_freeze(stored, update, fmt).to(torch.int32))
+    assert same_bits(moves, move_probability(stored, update, fmt))
+    assert torch.equal(code & 1, (grad != 0).to(torch.int32))
+    assert torch.equal((code >> 2) // bins, tensor_id)
+    y = torch.log2(update_ulp_ratio(stored, update, fmt).float()) - log_lr[tensor_id]
+    want = torch.ceil((y + 64.0) * 8).nan_to_num(nan=bins - 1).clamp(0, bins - 1).to(torch.int32)
+    assert torch.equal((eager_code >> 2) % bins, want)
+
+
 @pytest.mark.parametrize("key", ["e4m3", "e5m2", "fp16", "e3m2", "e2m0"])
 def test_freeze_code_under_every_overflow_policy(compiled, key):
     """Weights stored as the max, inf or NaN after an overflow: the freeze codes and move sums

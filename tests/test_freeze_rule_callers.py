@@ -81,8 +81,9 @@ def test_rounding_functions_are_the_exact_rule(key):
     w, d = old.double(), (new - old).double()
     # and the weights nobody steps from in a float32 run: +-inf under finite and infinite
     # updates, and NaN updates
-    inf = torch.tensor([math.inf, math.inf, -math.inf, -math.inf, math.inf, 1.0], dtype=torch.float64)
-    inf_d = torch.tensor([1.0, -1.0, 1.0, -math.inf, math.inf, math.nan], dtype=torch.float64)
+    inf = torch.tensor([math.inf, math.inf, -math.inf, -math.inf, math.inf, 1.0, math.inf, -math.inf],
+                       dtype=torch.float64)
+    inf_d = torch.tensor([1.0, -1.0, 1.0, -math.inf, math.inf, math.nan, math.nan, math.nan], dtype=torch.float64)
     if fmt.has_inf:
         w, d = torch.cat([w, inf]), torch.cat([d, inf_d])
     frozen = lp.would_freeze(w, d, fmt).tolist()
