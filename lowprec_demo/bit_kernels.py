@@ -37,11 +37,12 @@ Stochastic rounding (``sr_bits``)
     whenever ``d <= k``. The hash is :func:`hash32` (:func:`lowprec_demo.rounding.random_bits`
     gives the same bits).
 
-The freeze rule (``freeze_code_fp32``, ``freeze_share_fp32``)
+The freeze rule (``freeze_code_fp32``, ``watch_code_fp32``)
     :mod:`lowprec_demo.freeze_rule` at the stored weight ``q(old)``, rounded by ``rne_bits``' own
     formula on magnitudes (:func:`rne_magnitude`): one code byte per element and the sum of the
     move probabilities (for the predictor's counts, :func:`lowprec_demo.prediction.count_freezes`),
-    or per element the frozen flag, move probability and ratio (for the watch). The counts come
+    or per element the watch's code (tensor, bin of the step per unit of learning rate, frozen,
+    gradient) and move probability. The counts come
     from :func:`torch.bincount` of the bytes, which stalls when long runs of elements share a
     code (each increment waits for the one before): without the few-bit flag the kernel lays
     the bytes out so that two neighbours read as one int16 entry and consecutive entries
@@ -69,7 +70,7 @@ from .formats import FloatFormat
 from .freeze_rule import LAYOUTS, code_of, freeze_elements, move_share, watch_code
 
 __all__ = ["nearest_params", "stochastic_params", "seed_words", "hash32", "rne_bits", "rne_bits_", "rne_fp32",
-           "sr_bits", "sr_bits_", "sr_fp32", "rne_magnitude", "freeze_detail_fp32", "freeze_share_fp32", "watch_code_fp32",
+           "sr_bits", "sr_bits_", "sr_fp32", "rne_magnitude", "freeze_detail_fp32", "watch_code_fp32",
            "freeze_code_fp32", "pair_pattern", "equal_count_fp32", "changed_blocks_fp32", "frozen_blocks_u8",
            "BLOCK", "MAX_NUMEL"]
 
@@ -305,15 +306,6 @@ def freeze_detail_fp32(old: torch.Tensor, new: torch.Tensor, p: torch.Tensor, in
     wu = rne_magnitude(torch.clamp(ob & 0x7FFFFFFF, max=_INF_BITS), p[0], p[1], p[2], p[3])
     return freeze_elements(wu, ob, new - old, p, LAYOUTS[torch.float32], infinite_gap=infinite_gap,
                            one_factor=one_factor)
-
-
-def freeze_share_fp32(old: torch.Tensor, new: torch.Tensor, p: torch.Tensor, infinite_gap: bool = True,
-                      one_factor: bool = False):
-    """Per element, for the watch: whether the update ``new - old`` freezes (bool), the move
-    probability of stochastic rounding (float32, with k random bits resolved to k bits, 0 where
-    stuck) and ``|d| / gap`` (float32), from :func:`freeze_detail_fp32`."""
-    frozen, ratio, stuck = freeze_detail_fp32(old, new, p, infinite_gap, one_factor)
-    return frozen, move_share(ratio, stuck, p[6]), ratio
 
 
 def watch_code_fp32(old: torch.Tensor, new: torch.Tensor, grad: torch.Tensor, tensor_id: torch.Tensor,

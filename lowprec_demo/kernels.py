@@ -17,7 +17,7 @@ the compiled ones on the faster CPUs, 17 and 34 on the slowest (``benchmarks/REA
 compiling pays after about 2**28 to 2**31 elements; the budget leans toward compiling early: a
 chapter that rounds a few tensors never waits for it, a GPT-2 step compiles at once.
 
-The entry points (:func:`nearest`, :func:`stochastic`, :func:`freeze_code`, :func:`freeze_share`,
+The entry points (:func:`nearest`, :func:`stochastic`, :func:`freeze_code`, :func:`watch_code`,
 ...) take a format and make the kernels' integer parameters once per format and device.
 
 Example:
@@ -41,8 +41,8 @@ from .formats import FloatFormat
 from .freeze_rule import RATIO_EDGES, gap_options, rule_params
 
 __all__ = ["MODES", "EAGER_BUDGET", "EAGER_CHUNK", "MAX_NUMEL", "set_mode", "get_mode", "status", "reset",
-           "compile_all", "nearest", "nearest_", "stochastic", "stochastic_", "freeze_code", "freeze_share",
-           "freeze_detail", "watch_code", "equal_count", "changed_blocks", "frozen_blocks", "fits", "CODE_LAYOUTS", "BLOCK"]
+           "compile_all", "nearest", "nearest_", "stochastic", "stochastic_", "freeze_code", "freeze_detail",
+           "watch_code", "equal_count", "changed_blocks", "frozen_blocks", "fits", "CODE_LAYOUTS", "BLOCK"]
 
 MODES = ("auto", "on", "off")
 EAGER_BUDGET = 1 << 27         # "auto": compile once a kernel's eager work would reach this many elements
@@ -179,7 +179,6 @@ _KERNELS = {
     # (torch._dynamo.config.recompile_limit), and the kernels are called without grad, so that
     # a caller's grad mode does not double them
     "freeze": _Kernel(bits.freeze_code_fp32, "freeze"),
-    "freeze_share": _Kernel(bits.freeze_share_fp32, "freeze_share"),
     "watch_code": _Kernel(bits.watch_code_fp32, "watch_code"),
     "freeze_detail": _Kernel(bits.freeze_detail_fp32, "freeze_detail"),
     "equal_count": _Kernel(bits.equal_count_fp32, "equal_count"),
@@ -326,15 +325,6 @@ def freeze_code(old: torch.Tensor, new: torch.Tensor, fmt: FloatFormat, edges: S
                               fewbit=True, infinite_gap=True, one_factor=False)
 
 
-def freeze_share(old: torch.Tensor, new: torch.Tensor, fmt: FloatFormat, rand_bits: Optional[int] = None):
-    """Per element of two flat float32 tensors, compiled or eagerly: whether the update
-    ``new - old`` freezes at ``q(old)`` (bool), the move probability of stochastic rounding
-    (float32; with ``rand_bits`` resolved to k bits) and ``|d| / gap`` (float32)
-    (:func:`lowprec_demo.bit_kernels.freeze_share_fp32`)."""
-    p = _cached_params("freeze", fmt, None, rand_bits, old.device)
-    return _KERNELS["freeze_share"](old, new, p, **gap_options(fmt))
-
-
 def watch_code(old: torch.Tensor, new: torch.Tensor, grad: torch.Tensor, tensor_id: torch.Tensor,
                log_lr: torch.Tensor, fmt: FloatFormat, first_edge: float, bins: int):
     """The freeze watch's codes and move probabilities of flat float32 tensors, compiled or
@@ -372,7 +362,9 @@ def compile_all(device="cpu") -> dict:
                     tags=torch.zeros(4096, dtype=torch.int32, device=device))
         for f in (fmt, FloatFormat(3, 0), FloatFormat(8, 7)):   # the three settings of gap_options
             freeze_code(x, x + 1e-3, f, edges, codes, "paired")
-        freeze_share(x, x + 1e-3, fmt)
+        freeze_detail(x, x + 1e-3, fmt)
+        watch_code(x, x + 1e-3, x, torch.zeros(4096, dtype=torch.int32, device=device),
+                   torch.zeros(1, device=device), fmt, -64.0, 769)
         equal_count(x, x + 1e-3)
         changed_blocks(x, x + 1e-3)
         frozen_blocks(torch.zeros(4096, dtype=torch.uint8, device=device))
