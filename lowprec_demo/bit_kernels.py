@@ -61,7 +61,6 @@ Example:
 
 from __future__ import annotations
 
-import struct
 from typing import Dict, Optional
 
 import torch
@@ -77,13 +76,11 @@ __all__ = ["nearest_params", "stochastic_params", "seed_words", "hash32", "rne_b
 MAX_NUMEL = (1 << 31) - 1      # int32 element indices: larger tensors take the eager float64-style path
 
 _INT32_MIN = -(1 << 31)
-_INF_BITS = 0x7F800000
-_NAN_BITS = 0x7FC00000
+_F32 = LAYOUTS[torch.float32]
+_INF_BITS = _F32.inf_bits
+_NAN_BITS = _INF_BITS | 1 << 22          # the quiet NaN
 _M32 = 0xFFFFFFFF
 
-
-def _f32_bits(value: float) -> int:
-    return struct.unpack("<i", struct.pack("<f", value))[0]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -91,7 +88,7 @@ def _f32_bits(value: float) -> int:
 # compiled kernel serves every format and seed without recompiling)
 # ------------------------------------------------------------------------------------------------
 def _overflow_bits(fmt: FloatFormat, policy: str) -> int:
-    return {"inf": _INF_BITS, "saturate": _f32_bits(fmt.max), "nan": _NAN_BITS}[policy]
+    return {"inf": _INF_BITS, "saturate": _F32.bits(fmt.max), "nan": _NAN_BITS}[policy]
 
 
 def nearest_params(fmt: FloatFormat, policy: Optional[str]) -> list:
@@ -99,7 +96,7 @@ def nearest_params(fmt: FloatFormat, policy: Optional[str]) -> list:
     policy None: the grid continued above max (up to float32's own overflow to inf)."""
     if policy is None:
         return [fmt.man_bits, fmt.e_min + 127, _INF_BITS, _INF_BITS]
-    return [fmt.man_bits, fmt.e_min + 127, _f32_bits(fmt.max), _overflow_bits(fmt, policy)]
+    return [fmt.man_bits, fmt.e_min + 127, _F32.bits(fmt.max), _overflow_bits(fmt, policy)]
 
 
 def stochastic_params(fmt: FloatFormat, policy: str, rand_bits: Optional[int], seed: int) -> list:
@@ -108,8 +105,8 @@ def stochastic_params(fmt: FloatFormat, policy: str, rand_bits: Optional[int], s
     resolution."""
     k = 32 if rand_bits is None else rand_bits
     s1, s2 = seed_words(seed)
-    return [fmt.man_bits, fmt.e_min + 127, k, _f32_bits(fmt.max), _overflow_bits(fmt, policy),
-            _f32_bits(fmt.smallest_subnormal), s1, s2, 0]
+    return [fmt.man_bits, fmt.e_min + 127, k, _F32.bits(fmt.max), _overflow_bits(fmt, policy),
+            _F32.bits(fmt.smallest_subnormal), s1, s2, 0]
 
 
 def seed_words(seed: int, stream: int = 0) -> tuple:

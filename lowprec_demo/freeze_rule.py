@@ -272,8 +272,8 @@ def watch_code(frozen: torch.Tensor, ratio: torch.Tensor, grad: torch.Tensor, te
 
     Example:
         >>> one = torch.ones(1)
-        >>> watch_code(one.bool(), one * 0.25, one, torch.zeros(1, dtype=torch.int32), torch.zeros(1), -2.0, 32).tolist()
-        [35]
+        >>> watch_code(one.bool(), one * 0.25, one, torch.zeros(1, dtype=torch.int32), torch.zeros(1), -4.0, 64).tolist()
+        [67]
     """
     y = torch.log2(ratio) - log_lr[tensor_id]
     at = torch.ceil((y - first_edge) * 8).nan_to_num(nan=bins - 1).clamp(0, bins - 1).to(torch.int32)

@@ -98,9 +98,8 @@ class _SamplePlan:
             self.strides.append(stride)
             self.counts.append(len(range(0, n, stride)))
         device = tensors[0].device if tensors else "cpu"
-        self.tensor_id = torch.repeat_interleave(torch.arange(len(tensors), device=device),
+        self.tensor_id = torch.repeat_interleave(torch.arange(len(tensors), dtype=torch.int32, device=device),
                                                  torch.tensor(self.counts, device=device))
-        self.tensor_id32 = self.tensor_id.to(torch.int32)
         self.ends = torch.cumsum(torch.tensor(self.counts, device=device), 0) - 1   # every count is >= 1
 
     def gather(self, tensors: List[torch.Tensor], out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -291,11 +290,11 @@ class FreezeWatch:
         rows, sums = {}, []
         for fmt in self.formats_given:
             if kernels.fits(old, fmt):
-                code, moves = kernels.watch_code(old, new, grad, plan.tensor_id32, log_lr, fmt, float(EDGES[0]), bins)
+                code, moves = kernels.watch_code(old, new, grad, plan.tensor_id, log_lr, fmt, float(EDGES[0]), bins)
             else:   # the same rule through the public functions
                 update = new - old
                 code = watch_code(would_freeze(old, update, fmt), update_ulp_ratio(old, update, fmt).float(), grad,
-                                  plan.tensor_id32, log_lr, float(EDGES[0]), bins)
+                                  plan.tensor_id, log_lr, float(EDGES[0]), bins)
                 moves = move_probability(old, update, fmt)
             counts = torch.bincount(code, minlength=n_tensors * bins * 4).view(n_tensors, bins, 2, 2)
             hist = counts.sum((2, 3)).double()
@@ -350,7 +349,7 @@ class FreezeWatch:
         """The memory the watch keeps from step to step: its one copy of the tracked parameters,
         the forecast's histograms and the rows-with-gradient flags."""
         tensors = ([self._before] if self._before is not None else []) + list(self._hist.values()) \
-            + list(self._rows_seen.values()) + [self._plan.tensor_id, self._plan.tensor_id32]
+            + list(self._rows_seen.values()) + [self._plan.tensor_id]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     # ---- attach and detach ---------------------------------------------------------------------

@@ -53,27 +53,6 @@ from .text import (
 )
 from .batches import TokenBatches
 from .mnist import MNIST_SHA256, MNIST_URL, ImageDataset, load_mnist
+from . import batches, environment, mnist, text
 
-__all__ = [
-    "SHAKESPEARE_URL",
-    "SHAKESPEARE_SHA256",
-    "MNIST_URL",
-    "MNIST_SHA256",
-    "ChecksumError",
-    "DataUnavailableError",
-    "DataFallbackWarning",
-    "data_dir",
-    "cache_dir",
-    "is_offline",
-    "cached_per_data_environment",
-    "sha256_of",
-    "download",
-    "fetch",
-    "TextCorpus",
-    "load_shakespeare",
-    "CharTokenizer",
-    "gpt2_tokens",
-    "TokenBatches",
-    "ImageDataset",
-    "load_mnist",
-]
+__all__ = environment.__all__ + text.__all__ + batches.__all__ + mnist.__all__
