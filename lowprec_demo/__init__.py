@@ -23,7 +23,8 @@ import torch
 
 from .formats import FORMAT_NAMES, FloatFormat, format_table, get_format
 from .optimizer import LowPrecisionOptimizer, bytes_per_parameter, select_params
-from .prediction import FreezeObserver, FreezePredictor, FreezeRecord, freeze_order, freeze_step, mask_mismatch, steps_agree
+from .prediction import (FreezeObserver, FreezePredictor, FreezeRecord, freeze_order, freeze_step, mask_mismatch,
+                         steps_agree, stratified_chance_mismatch)
 from .rounding import move_probability, quantize, ulp, update_ulp_ratio, would_freeze
 from .runtime import by_scale, pick_device, progress_bar, scale, seed_everything
 from .config import TrainConfig, lr_factor
@@ -39,7 +40,7 @@ __all__ = [
     "quantize", "ulp", "would_freeze", "move_probability", "update_ulp_ratio",
     "LowPrecisionOptimizer", "select_params",
     "FreezePredictor", "FreezeObserver", "FreezeRecord", "freeze_step", "freeze_order", "steps_agree",
-    "mask_mismatch",
+    "mask_mismatch", "stratified_chance_mismatch",
     "Task", "TrainConfig", "TrainResult", "train_variants", "train_formats", "run_formats", "lr_factor",
     "evidence_table",
     "load_result", "stored_results",

@@ -337,10 +337,11 @@ def main(argv: Optional[List[str]] = None) -> int:
           f"observed {s['observed_freeze_step']} (threshold {s['threshold']}, {s['steps']} steps)")
     if "nearest" in result.runs:
         for name, e in result.predictor_errors().items():
-            print(f"  predictor {name:>8}: freeze step {e['freeze_step']}, mean |F - F_observed| "
+            print(f"  predictor {name:>15}: freeze step {e['freeze_step']}, mean |F - F_observed| "
                   f"{e['mean_abs_error']:.3f}")
         a = result.element_agreement()
-        print(f"  element mismatch {a['element_mismatch']:.3f} (independent masks: {a['chance_mismatch']:.3f})")
+        print(f"  element mismatch {a['element_mismatch']:.3f} (independent masks: {a['chance_mismatch']:.3f}; "
+              f"within each tensor and binade: {a['stratified_chance_mismatch']:.3f})")
     for v in result.runs:
         print(f"  final loss {v:>10}: {result.runs[v].loss[-1]:.4g}")
     print(f"wrote {path}")

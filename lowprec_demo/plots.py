@@ -148,6 +148,7 @@ def plot_run(result, axes=None, title: Optional[str] = None, frozen_title: str =
 
 
 BASELINE_STYLES = {"schedule": ("#9467bd", "--", "schedule rule (no trajectory)"),
+                   "schedule_fitted": ("#8c564b", "-.", "schedule rule, ratio fitted on the first steps"),
                    "always": ("0.55", ":", "always frozen"), "never": ("0.55", "-.", "never frozen")}
 
 
@@ -180,13 +181,17 @@ def plot_baselines(result, ax=None, threshold: Optional[float] = None, title: Op
 
 def plot_element_agreement(result, ax=None, title: Optional[str] = None):
     """Per step, the fraction of elements whose predicted and observed frozen states differ,
-    against the fraction two independent masks with the same frozen fractions would give.
+    against the fraction two independent masks with the same frozen fractions would give, overall
+    and within each tensor and binade of the weights (when the result has it).
 
     Example: ``plot_element_agreement(result)``."""
     ax = _ax(ax)
     a = result.element_agreement()
     ax.plot(result.agreement["chance_mismatch"], color="0.5", lw=1.4, ls="--",
             label=f"independent masks (mean {a['chance_mismatch']:.3f})")
+    if result.agreement.get("stratified_chance_mismatch"):
+        ax.plot(result.agreement["stratified_chance_mismatch"], color="0.25", lw=1.2, ls=":",
+                label=f"independent within tensor and binade (mean {a['stratified_chance_mismatch']:.3f})")
     ax.plot(result.agreement["element_mismatch"], color=COLORS["predicted"], lw=1.6,
             label=f"prediction against observation (mean {a['element_mismatch']:.3f})")
     ax.set_ylim(bottom=0)

@@ -20,10 +20,14 @@ Element by element: with ``keep_masks=True`` both trackers keep the last step's 
 run stepped in lockstep can be compared element by element (:func:`mask_mismatch`) in memory
 proportional to the parameters.
 
-Baseline: the *schedule rule* (:meth:`FreezePredictor.schedule_rule`) predicts without the
+Baselines: the *schedule rule* (:meth:`FreezePredictor.schedule_rule`) predicts without the
 trajectory: it keeps only the first step's update of every element, measured in gaps of its
 initial stored value, and scales it by the learning-rate schedule (for SGD, eta_t times the first
-gradient; for Adam-type optimizers, whose first update is about eta_0 per element, eta_t).
+gradient; for Adam-type optimizers, whose first update is about eta_0 per element, eta_t). Adam's
+later steps are smaller than its first (the ratio ``r = |d_t| / eta_t`` falls below one), so the
+*fitted schedule rule* (:meth:`FreezePredictor.fitted_schedule_rule`) measures each element's
+ratio over the run's first ``fit_steps`` steps only (the warmup, say) and scales that: it looks at
+the beginning of the trajectory, never at the steps it predicts.
 
 Both are :class:`StepTracker` objects with one protocol: call ``before_step()`` just before
 ``optimizer.step()`` and ``after_step()`` just after it; ``record(fmt)`` returns the
@@ -57,7 +61,7 @@ from .formats import FloatFormat, get_format
 from .rounding import move_probability, quantize, update_ulp_ratio, would_freeze
 
 __all__ = ["FreezeRecord", "StepTracker", "FreezePredictor", "FreezeObserver", "freeze_step", "freeze_order",
-           "steps_agree", "named_tensors", "mask_mismatch", "RATIO_BINS"]
+           "steps_agree", "named_tensors", "mask_mismatch", "stratified_chance_mismatch", "RATIO_BINS"]
 
 # log2(|d| / gap) histogram bins: edges -24, -23, ..., +8 (values outside go to the end bins).
 RATIO_BINS = list(RATIO_EDGES)
@@ -206,6 +210,40 @@ def mask_mismatch(predicted: Mapping[str, torch.Tensor], observed: Mapping[str, 
     return differ, p * (1 - q) + q * (1 - p)
 
 
+def stratified_chance_mismatch(predicted: Mapping[str, torch.Tensor], observed: Mapping[str, torch.Tensor],
+                               weights: Mapping[str, torch.Tensor]) -> float:
+    """The mismatch two masks would show if they were independent *within each stratum*: a tensor
+    and a binade of its weights (the binary exponent of ``weights``; zeros a stratum of their
+    own). Per stratum s with n_s elements and frozen fractions p_s, q_s it is
+    ``p_s(1-q_s) + q_s(1-p_s)``, averaged with weights n_s. Freezing depends mostly on a weight's
+    exponent, so this chance level is lower than :func:`mask_mismatch`'s global one: a prediction
+    that knew only each weight's size and the schedule would come close to it.
+
+    Example:
+        >>> w = {"w": torch.tensor([1.0, 1.5, 0.01, 0.015])}   # two binades, two elements each
+        >>> p = {"w": torch.tensor([True, True, False, False])}
+        >>> q = {"w": torch.tensor([True, False, False, False])}
+        >>> mask_mismatch(p, q)[1], stratified_chance_mismatch(p, q, w)
+        (0.5, 0.25)
+    """
+    names = [k for k in predicted if k in observed and k in weights]
+    if not names:
+        return math.nan
+    total = n_all = 0.0
+    for k in names:
+        exponent = torch.frexp(weights[k].detach().reshape(-1).float())[1].long()
+        exponent = torch.where(weights[k].detach().reshape(-1) == 0, exponent.min() - 1, exponent)
+        bins = exponent - exponent.min()
+        n = torch.bincount(bins).double()
+        p = torch.bincount(bins, weights=predicted[k].reshape(-1).double(), minlength=n.numel())
+        q = torch.bincount(bins, weights=observed[k].reshape(-1).double(), minlength=n.numel())
+        # per stratum n (p/n)(1 - q/n) + (q/n)(1 - p/n) = (p (n - q) + q (n - p)) / n
+        safe = n.clamp(min=1)
+        total += float(((p * (n - q) + q * (n - p)) / safe).sum())
+        n_all += bins.numel()
+    return total / n_all if n_all else math.nan
+
+
 class StepTracker:
     """What :class:`FreezeObserver` and :class:`FreezePredictor` share: a snapshot of the tracked
     tensors taken by :meth:`before_step`, just before ``optimizer.step()``, compared with their
@@ -252,11 +290,17 @@ class StepTracker:
     def _current(self) -> Dict[str, torch.Tensor]:
         return {k: v for k, v in named_tensors(self._source).items() if torch.is_tensor(v)}
 
+    def tensors(self) -> Dict[str, torch.Tensor]:
+        """The tracked tensors as they are now, by name (the live tensors, not copies)."""
+        return self._current()
+
     def held_bytes(self) -> int:
         """The memory this tracker keeps from step to step: its snapshot buffers (codes and tags
-        included), the kept masks, and a predictor's first-step ratios."""
+        included), the kept masks, and a predictor's first-step ratios and fit (with the initial
+        stored values until the fit steps are over)."""
         tensors = [m for masks in self.masks.values() for m in masks.values()]
-        tensors += list(getattr(self, "_first_ratios", {}).values())
+        tensors += list(getattr(self, "_first_ratios", {}).values()) + list(getattr(self, "_fit_sums", {}).values())
+        tensors += [t for stored in getattr(self, "_stored0", {}).values() for t in stored.values()]
         tensors += self._snapshots
         return sum(pack.held_bytes() for pack in self._packs) + sum(t.numel() * t.element_size() for t in tensors)
 
@@ -390,6 +434,8 @@ class FreezePredictor(StepTracker):
         rand_bits: also predict few-bit SR with this many random bits (None: skip).
         keep_masks: also keep the last step's predicted frozen mask of every tensor and format in
             ``masks``.
+        fit_steps: the first steps whose updates :meth:`fitted_schedule_rule` measures (it keeps
+            one copy of the initial stored values per format until then).
 
     Attributes:
         formats: the distinct formats predicted, as FloatFormats, in the order given.
@@ -399,8 +445,10 @@ class FreezePredictor(StepTracker):
     """
 
     def __init__(self, tensors: TensorSource, formats: Sequence[Union[str, FloatFormat]] = ("bf16",),
-                 rand_bits: Optional[int] = None, keep_masks: bool = False) -> None:
+                 rand_bits: Optional[int] = None, keep_masks: bool = False, fit_steps: int = 1) -> None:
         super().__init__(tensors, keep_masks)
+        if isinstance(fit_steps, bool) or not isinstance(fit_steps, int) or fit_steps < 1:
+            raise ValueError(f"fit_steps must be a whole number of steps, 1 or more; got {fit_steps!r}")
         if isinstance(formats, (str, FloatFormat)):
             formats = [formats]
         self.formats = []
@@ -414,6 +462,10 @@ class FreezePredictor(StepTracker):
         self.records = {f.name: FreezeRecord(format=f.name, kind="predicted", rand_bits=rand_bits)
                         for f in self.formats}
         self._first_ratios: Dict[str, torch.Tensor] = {}
+        self.fit_steps = fit_steps
+        self._fit_sums: Dict[str, torch.Tensor] = {}     # per format: sum over the fit steps of |d_t| / gap(q(w_0))
+        self._fit_seen = 0
+        self._stored0: Dict[str, Dict[str, torch.Tensor]] = {}   # the initial stored values, during the fit steps
 
     @torch.no_grad()
     def after_step(self) -> None:
@@ -428,17 +480,31 @@ class FreezePredictor(StepTracker):
         else:
             self._after_step_by_tensor()
         first = not self._first_ratios
-        if self.keep_masks or first:
+        fitting = self._fit_seen < self.fit_steps
+        if self.keep_masks or fitting:
             pairs = list(self._pairs())
             masks = {}
             for fmt in self.formats:
                 stored = {name: quantize(old, fmt) for name, old, _ in pairs}
                 if self.keep_masks:
                     masks[fmt.name] = {name: _frozen_mask(stored[name], old, new, fmt) for name, old, new in pairs}
-                if first:   # the first update in gaps of the initial stored value
-                    ratios = [update_ulp_ratio(stored[name], new - old, fmt).reshape(-1).float() for name, old, new in pairs]
-                    self._first_ratios[fmt.name] = torch.cat(ratios) if ratios else torch.zeros(0)
+                if first:   # the initial stored values: the gaps both schedule rules measure in
+                    self._stored0[fmt.name] = stored
+                if fitting:   # this update in gaps of the initial stored value
+                    stored0 = self._stored0[fmt.name]
+                    ratios = [update_ulp_ratio(stored0[name], new - old, fmt).reshape(-1).double()
+                              for name, old, new in pairs if name in stored0]
+                    ratios = torch.cat(ratios) if ratios else torch.zeros(0, dtype=torch.float64)
+                    if first:
+                        self._first_ratios[fmt.name] = ratios.float()
+                        self._fit_sums[fmt.name] = ratios
+                    elif ratios.numel() == self._fit_sums[fmt.name].numel():
+                        self._fit_sums[fmt.name] += ratios
             self.masks = masks
+        if fitting:
+            self._fit_seen += 1
+            if self._fit_seen == self.fit_steps:
+                self._stored0 = {}
         self._before = {}
 
     def schedule_rule(self, fmt: Union[str, FloatFormat, None], lr_scale: Sequence[float]) -> List[float]:
@@ -453,20 +519,40 @@ class FreezePredictor(StepTracker):
             >>> p.schedule_rule("bf16", [1.0, 0.5, 0.1])
             [0.0, 0.25, 1.0]
         """
+        return _share_below_half(self._fit_values(fmt, self._first_ratios), lr_scale)
+
+    def fitted_schedule_rule(self, fmt: Union[str, FloatFormat, None], lrs: Sequence[float]) -> List[float]:
+        """The schedule rule with Adam's ratio fitted on the run's first steps: each element's
+        updates over the first :attr:`fit_steps` steps, in gaps of its initial stored value,
+        summed and divided by the sum of those steps' learning rates (``lrs[:fit_steps]``), give
+        its update per unit of learning rate; the element is frozen at step t when that times
+        ``lrs[t]`` is below one half. It uses nothing of the trajectory after the fit steps.
+
+        Example:
+            >>> w = torch.nn.Parameter(torch.ones(2))
+            >>> p = FreezePredictor({"w": w}, ["bf16"], fit_steps=2)
+            >>> for d in (8e-3, 2e-3):   # the second step a quarter of the first
+            ...     p.before_step(); w.data -= d; p.after_step()
+            >>> p.fitted_schedule_rule("bf16", [1.0, 1.0, 0.5, 0.3])   # 1.28 gaps per unit of lr
+            [0.0, 0.0, 0.0, 1.0]
+            >>> p.schedule_rule("bf16", [1.0, 1.0, 0.5, 0.3])          # the first step alone: 2.05
+            [0.0, 0.0, 0.0, 0.0]
+        """
+        lrs = [float(x) for x in lrs]
+        if self._fit_seen < self.fit_steps:
+            raise ValueError(f"the fit needs {self.fit_steps} steps; the run took {self._fit_seen}")
+        total = sum(lrs[:self.fit_steps])
+        if len(lrs) < self.fit_steps or not total > 0:
+            raise ValueError(f"give the learning rate of every step, the first {self.fit_steps} not all zero; "
+                             f"got {lrs[:self.fit_steps]}")
+        values = {name: sums / total for name, sums in self._fit_sums.items()}
+        return _share_below_half(self._fit_values(fmt, values), lrs)
+
+    def _fit_values(self, fmt, values: Dict[str, torch.Tensor]) -> torch.Tensor:
         name = self.formats[0].name if fmt is None else get_format(fmt).name
-        if name not in self._first_ratios:
+        if name not in values:
             raise KeyError(f"no first step recorded for {name}; predicted: {', '.join(f.name for f in self.formats)}")
-        ratios = self._first_ratios[name]
-        n = ratios.numel()
-        if n == 0:
-            return [math.nan] * len(lr_scale)
-        # frozen at step t when ratio < 0.5 / scale_t: one pass over the elements, counting them
-        # into the intervals between the distinct limits (sorted), then cumulative counts
-        limits = sorted({0.5 / s if s > 0 else math.inf for s in lr_scale})
-        edges = torch.tensor(limits, dtype=torch.float64, device=ratios.device)
-        below = torch.bincount(torch.bucketize(ratios.double(), edges, right=True), minlength=len(limits) + 1)
-        count = dict(zip(limits, torch.cumsum(below, 0)[:len(limits)].tolist()))
-        return [count[0.5 / s if s > 0 else math.inf] / n for s in lr_scale]
+        return values[name]
 
     def _add(self, rec: FreezeRecord, per_tensor: List[tuple], moved_total: float, fewbit_total: float,
              hist: List[int]) -> None:
@@ -520,3 +606,18 @@ class FreezePredictor(StepTracker):
                 hist += torch.bucketize(log_ratio, edges).bincount(minlength=len(RATIO_BINS) + 1)
                 hist[0] += int((ratio == 0).sum().item())
             self._add(rec, per_tensor, moved_total, fewbit_total, hist.tolist())
+
+
+def _share_below_half(values: torch.Tensor, scale: Sequence[float]) -> List[float]:
+    """Per step t, the share of elements whose ``value * scale[t]`` is below one half."""
+    n = values.numel()
+    if n == 0:
+        return [math.nan] * len(scale)
+    # below at step t when value < 0.5 / scale_t: one pass over the elements, counting them into
+    # the intervals between the distinct limits (sorted), then cumulative counts
+    limits = sorted({0.5 / s if s > 0 else math.inf for s in scale})
+    edges = torch.tensor(limits, dtype=torch.float64, device=values.device)
+    below = torch.bincount(torch.bucketize(values.double(), edges, right=True), minlength=len(limits) + 1)
+    count = dict(zip(limits, torch.cumsum(below, 0)[:len(limits)].tolist()))
+    return [count[0.5 / s if s > 0 else math.inf] / n for s in scale]
+

@@ -99,11 +99,13 @@ def _thin(record: dict, max_points: int) -> dict:
 class TrainResult:
     """Everything a run produced: config, provenance, runs, and the prediction per format.
 
-    ``baselines`` maps each baseline predictor of the main format (``"schedule"``, ``"always"``,
-    ``"never"``) to its per-step frozen fraction, as long as the prediction; ``agreement`` holds,
-    per step of the round-to-nearest run, ``element_mismatch`` (the fraction of elements whose
-    predicted and observed frozen states differ) and ``chance_mismatch`` (what independent masks
-    with the same two fractions would give)."""
+    ``baselines`` maps each baseline predictor of the main format (``"schedule"``,
+    ``"schedule_fitted"``, ``"always"``, ``"never"``; see :mod:`lowprec_demo.prediction`) to its
+    per-step frozen fraction, as long as the prediction; ``agreement`` holds, per step of the
+    round-to-nearest run, ``element_mismatch`` (the fraction of elements whose predicted and
+    observed frozen states differ), ``chance_mismatch`` (what independent masks with the same two
+    fractions would give) and ``stratified_chance_mismatch`` (independent masks within each tensor
+    and binade of the weights, :func:`~lowprec_demo.prediction.stratified_chance_mismatch`)."""
 
     experiment: str
     config: TrainConfig
@@ -195,9 +197,39 @@ class TrainResult:
         Example: ``run_experiment("quadratic", steps=300, progress=False).element_agreement()["ratio"] < 0.5``."""
         if not self.agreement:
             raise ValueError("no element-level agreement in this result (it needs a reference and a nearest run)")
-        mism, chance = self.agreement["element_mismatch"], self.agreement["chance_mismatch"]
-        m, c = sum(mism) / len(mism), sum(chance) / len(chance)
-        return {"element_mismatch": m, "chance_mismatch": c, "ratio": m / c if c > 0 else math.nan}
+        mean = lambda key: (sum(self.agreement[key]) / len(self.agreement[key])
+                            if self.agreement.get(key) else math.nan)   # results stored before it: NaN
+        m, c, s = mean("element_mismatch"), mean("chance_mismatch"), mean("stratified_chance_mismatch")
+        return {"element_mismatch": m, "chance_mismatch": c, "ratio": m / c if c > 0 else math.nan,
+                "stratified_chance_mismatch": s, "stratified_ratio": m / s if s > 0 else math.nan}
+
+    def loss_falls(self, step: Optional[int] = None, window: Optional[int] = None) -> dict:
+        """How far each run's training loss falls before and after ``step`` (default: the predicted
+        freeze step), from means over windows of ``window`` steps (default: a tenth of the run):
+        ``before`` from the end of the warmup to the step, ``after`` from the step to the end of
+        the run, by variant, each with its window (shortened to half the span when the span is
+        shorter than two windows; None when that leaves under 2 steps). The runs see the same
+        batches, so their falls compare like with like.
+
+        Example: ``result.loss_falls()["after"]["reference"]`` -> nats the fp32 run still gains
+        after the predicted wall."""
+        T, W = self.config.steps, min(self.config.warmup_steps, self.config.steps)
+        step = self.predicted_freeze_step() if step is None else step
+        out = {"step": step, "before": None, "after": None, "window_before": None, "window_after": None}
+        if step is None:
+            return out
+        window = window or max(2, T // 10)
+
+        def mean(v, a, b):
+            losses = self.runs[v].loss[a:b]
+            return sum(losses) / len(losses)
+
+        for part, start, end in (("before", W, step), ("after", step, T)):
+            w = min(window, (end - start) // 2)
+            if w >= 2:
+                out[part] = {v: mean(v, start, start + w) - mean(v, end - w, end) for v in self.runs}
+                out[f"window_{part}"] = w
+        return out
 
     def final_loss(self, variant: str, window: int = 0) -> float:
         """The last training loss (or the mean of the last ``window`` losses)."""
@@ -279,6 +311,8 @@ def evidence_table(cases: Dict[str, "TrainResult"], threshold: Optional[float] =
         lines.append(f"{label}: observed {r.observed_freeze_step('nearest', threshold)}; step (error): "
                      + ", ".join(parts)
                      + f"; elements {a['element_mismatch']:.3f} vs chance {a['chance_mismatch']:.3f}"
+                     + (f" (stratified {a['stratified_chance_mismatch']:.3f})"
+                        if not math.isnan(a["stratified_chance_mismatch"]) else "")
                      + ("; decisive" if r.is_decisive(threshold) else "; not decisive"))
     return "\n".join(lines)
 

@@ -55,11 +55,11 @@ from .config import VARIANTS, TrainConfig, lr_factor
 from .distributed import DataParallel, Distributed, init_distributed, mean_over_ranks, replicas_identical
 from .formats import get_format
 from .optimizer import LowPrecisionOptimizer, bytes_per_parameter, select_params
-from .prediction import FreezeObserver, FreezePredictor, mask_mismatch
+from .prediction import FreezeObserver, FreezePredictor, mask_mismatch, stratified_chance_mismatch
 from .results import RunRecord, TrainResult, provenance
 from .runtime import pick_device, progress_bar
 
-__all__ = ["Task", "train_variants", "train_formats", "Variants", "variant_wrapper"]
+__all__ = ["Task", "train_variants", "train_formats", "Variants", "variant_wrapper", "fit_steps"]
 
 
 def variant_wrapper(variant: str, fmt: str) -> dict:
@@ -147,7 +147,8 @@ def _run_steps(variant: str, model: torch.nn.Module, task: Task, config: TrainCo
     tracked = lowprec_named_params(model, config)
     predictor = observer = None
     if variant == "reference":
-        predictor = FreezePredictor(tracked, predictor_formats, rand_bits=config.rand_bits, keep_masks=keep_masks)
+        predictor = FreezePredictor(tracked, predictor_formats, rand_bits=config.rand_bits, keep_masks=keep_masks,
+                                    fit_steps=fit_steps(config))
     else:
         # the same seed on every process: stochastic rounding draws the same bits everywhere,
         # so data-parallel replicas stay bit-identical
@@ -213,24 +214,40 @@ def _lockstep(reference, nearest: Dict[str, Any]):
     """Step the reference run and the round-to-nearest run of each format in turn, comparing
     their frozen masks at every step; returns the reference's value, each nearest run's value
     and each format's agreement curves."""
-    agreement = {name: {"element_mismatch": [], "chance_mismatch": []} for name in nearest}
+    agreement = {name: {"element_mismatch": [], "chance_mismatch": [], "stratified_chance_mismatch": []}
+                 for name in nearest}
     while True:
         try:
             predictor = next(reference)
         except StopIteration as stop:
             ref_value = stop.value
             break
+        weights = predictor.tensors()
         for name, run in nearest.items():
             observer = next(run)
             mismatch, chance = mask_mismatch(predictor.masks[name], observer.masks[name])
             agreement[name]["element_mismatch"].append(mismatch)
             agreement[name]["chance_mismatch"].append(chance)
+            agreement[name]["stratified_chance_mismatch"].append(
+                stratified_chance_mismatch(predictor.masks[name], observer.masks[name], weights))
     return ref_value, {name: _finish(run) for name, run in nearest.items()}, agreement
+
+
+def fit_steps(config: TrainConfig) -> int:
+    """The first steps whose updates the fitted schedule rule measures: the warmup, or the first
+    2 % of a run without one (at least one step).
+
+    Example:
+        >>> fit_steps(TrainConfig(steps=600, warmup_steps=10)), fit_steps(TrainConfig(steps=600))
+        (10, 12)
+    """
+    return min(config.steps, config.warmup_steps if config.warmup_steps > 0 else max(1, config.steps // 50))
 
 
 def _baselines(predictor: FreezePredictor, fmt: str, lrs: Sequence[float]) -> Dict[str, List[float]]:
     """The baseline predictors of format ``fmt`` over the run's learning rates ``lrs``."""
     return {"schedule": predictor.schedule_rule(fmt, [lr / lrs[0] for lr in lrs]),
+            "schedule_fitted": predictor.fitted_schedule_rule(fmt, lrs),
             "always": [1.0] * len(lrs), "never": [0.0] * len(lrs)}
 
 

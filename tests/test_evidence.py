@@ -14,7 +14,7 @@ import torch
 import lowprec_demo as lp
 from lowprec_demo import training
 from lowprec_demo.experiments import get_experiment, make_config
-from lowprec_demo.prediction import FreezeObserver, FreezePredictor, mask_mismatch
+from lowprec_demo.prediction import FreezeObserver, FreezePredictor, mask_mismatch, stratified_chance_mismatch
 from lowprec_demo.rounding import quantize
 
 
@@ -120,11 +120,11 @@ def test_schedule_rule_scales_the_first_update_by_the_schedule():
 def test_baselines_and_errors_of_a_run():
     result = lp.experiments.run_experiment("quadratic", steps=300, progress=False, device="cpu")
     T = result.config.steps
-    assert set(result.baselines) == {"schedule", "always", "never"}
+    assert set(result.baselines) == {"schedule", "schedule_fitted", "always", "never"}
     assert all(len(v) == T for v in result.baselines.values())
     assert result.baselines["always"] == [1.0] * T and result.baselines["never"] == [0.0] * T
     errors = result.predictor_errors()
-    assert set(errors) == {"fp32", "schedule", "always", "never"}
+    assert set(errors) == {"fp32", "schedule", "schedule_fitted", "always", "never"}
     obs = result.runs["nearest"].frozen.overall
     assert errors["never"]["mean_abs_error"] == pytest.approx(sum(obs) / T)
     assert errors["always"]["mean_abs_error"] == pytest.approx(sum(1 - x for x in obs) / T)
@@ -142,9 +142,10 @@ def test_result_round_trips_baselines_and_agreement(tmp_path):
     assert loaded.baselines == result.baselines
     assert loaded.agreement == result.agreement
     d = json.loads((tmp_path / "r.json").read_text())
-    assert list(d["prediction"]["baselines"]) == ["schedule", "always", "never"]
+    assert list(d["prediction"]["baselines"]) == ["schedule", "schedule_fitted", "always", "never"]
     assert len(d["prediction"]["baselines"]["schedule"]) == len(d["prediction"]["frozen_predicted"]) == 40
-    assert set(d["agreement"]) == {"element_mismatch", "chance_mismatch"}
+    assert set(d["agreement"]) == {"element_mismatch", "chance_mismatch", "stratified_chance_mismatch"}
+    assert all(len(v) == 40 for v in d["agreement"].values())
 
 
 def test_train_formats_compares_every_formats_masks():
@@ -164,7 +165,7 @@ def test_train_formats_compares_every_formats_masks():
 def test_no_nearest_run_no_agreement():
     r = lp.experiments.run_experiment("quadratic", steps=20, progress=False, device="cpu",
                                       variants=("reference", "stochastic"))
-    assert r.agreement == {} and set(r.baselines) == {"schedule", "always", "never"}
+    assert r.agreement == {} and set(r.baselines) == {"schedule", "schedule_fitted", "always", "never"}
     with pytest.raises(ValueError, match="nearest"):
         r.element_agreement()
 
@@ -201,3 +202,81 @@ def test_command_line_writes_the_evidence(tmp_path):
     assert len(d["agreement"]["element_mismatch"]) == 60
     lrs = d["runs"]["reference"]["lr"]
     assert lrs[29] == pytest.approx(d["config"]["lr"]) and lrs[30] == pytest.approx(0.1 * d["config"]["lr"])
+
+
+def test_fitted_schedule_rule_by_hand():
+    """Adam-like steps that shrink: the fitted rule measures them over the fit steps (summed gaps
+    of the initial stored value over summed learning rates) and scales that by lr_t; the plain
+    rule scales the first step alone. Ratios to the gap below 1 (2^-8): step 0 gives 2 and 4,
+    step 1 gives 0.5 and 1 at the same lr: fitted 1.25 and 2.5 per unit of lr."""
+    w = torch.nn.Parameter(torch.ones(2))
+    p = FreezePredictor({"w": w}, ["bf16"], fit_steps=2)
+    for d in ([2.0, 4.0], [0.5, 1.0]):
+        p.before_step()
+        w.data -= torch.tensor(d) * 2.0**-8
+        p.after_step()
+    assert p._stored0 == {}                           # the initial values go once the fit is done
+    lrs = [1.0, 1.0, 0.3, 0.15, 0.1]
+    # fitted 1.25 * lr < 0.5 from lr 0.3 on (0.375), 2.5 * lr < 0.5 from 0.15 on (0.375)
+    assert p.fitted_schedule_rule("bf16", lrs) == [0.0, 0.0, 0.5, 1.0, 1.0]
+    # first step alone: 2 * s < 0.5 from s 0.15 on; 4 * s < 0.5 from s 0.1 on (0.4)
+    assert p.schedule_rule("bf16", lrs) == [0.0, 0.0, 0.0, 0.5, 1.0]
+    # the sum of the fit steps' learning rates divides: twice the rate, half the ratio
+    assert p.fitted_schedule_rule("bf16", [2.0, 2.0, 0.6, 0.3, 0.2]) == [0.0, 0.0, 0.5, 1.0, 1.0]
+    with pytest.raises(ValueError, match="not all zero"):
+        p.fitted_schedule_rule("bf16", [0.0, 0.0, 1.0])
+    with pytest.raises(ValueError, match="fit_steps"):
+        FreezePredictor({"w": w}, ["bf16"], fit_steps=0)
+    early = FreezePredictor({"w": w}, ["bf16"], fit_steps=3)
+    early.before_step(); w.data -= 1e-3; early.after_step()
+    with pytest.raises(ValueError, match="3 steps"):
+        early.fitted_schedule_rule("bf16", [1.0] * 5)
+
+
+def test_fitted_rule_with_one_fit_step_is_the_schedule_rule():
+    """With the first step only and Adam's first update (about lr_0 per element) the fitted rule
+    is the plain one, on a real run."""
+    cfg = make_config("quadratic", steps=60, device="cpu", optimizer="adam", lr=1e-2, schedule="cosine",
+                      min_lr_ratio=0.0, warmup_steps=1)
+    assert training.fit_steps(cfg) == 1
+    result = training.train_variants("quadratic", get_experiment("quadratic").build(cfg), cfg, progress=False)
+    assert result.baselines["schedule_fitted"] == result.baselines["schedule"]
+
+
+def test_stratified_chance_by_hand():
+    """Strata are the binades of the weights within each tensor (zeros one of their own): masks
+    that follow the binade exactly have stratified chance 0, though global chance is 1/2."""
+    w = {"a": torch.tensor([1.0, 1.9, 0.01, 0.0]), "b": torch.tensor([-4.0, 5.0])}
+    p = {"a": torch.tensor([True, True, False, False]), "b": torch.tensor([True, False])}
+    q = {"a": torch.tensor([True, True, False, True]), "b": torch.tensor([False, True])}
+    # a: binade [1, 2) p = q = 1 -> 0; 0.01 -> 0; the zero alone: p 0, q 1 -> 1
+    # b: -4 and 5 share the binade [4, 8): p = q = 1/2 -> 1/2 per element, 2 elements
+    assert stratified_chance_mismatch(p, q, w) == pytest.approx((0 + 0 + 0 + 1 + 0.5 * 2) / 6)
+    assert math.isnan(stratified_chance_mismatch(p, q, {}))
+    # one stratum: the global chance
+    same = {"a": torch.tensor([1.0, 1.1, 1.2, 1.3])}
+    pa, qa = {"a": torch.tensor([True, False, True, True])}, {"a": torch.tensor([False, False, True, True])}
+    assert stratified_chance_mismatch(pa, qa, same) == pytest.approx(mask_mismatch(pa, qa)[1])
+
+
+def test_a_run_carries_the_stratified_chance_and_it_is_below_the_global():
+    result = lp.experiments.run_experiment("mlp", steps=60, progress=False, device="cpu")
+    a = result.element_agreement()
+    assert len(result.agreement["stratified_chance_mismatch"]) == 60
+    assert a["stratified_chance_mismatch"] <= a["chance_mismatch"] + 1e-12
+    assert a["stratified_ratio"] == pytest.approx(a["element_mismatch"] / a["stratified_chance_mismatch"])
+
+
+def test_loss_falls_by_hand():
+    result = lp.experiments.run_experiment("quadratic", steps=100, progress=False, device="cpu",
+                                           variants=("reference", "nearest"))
+    result.config = lp.TrainConfig(**{**result.config.to_dict(), "warmup_steps": 10})
+    result.runs["reference"].loss = [float(100 - t) for t in range(100)]
+    result.runs["nearest"].loss = [float(100 - min(t, 40)) for t in range(100)]
+    falls = result.loss_falls(step=40, window=10)
+    # before: mean of 10..19 minus mean of 30..39 = 20 for both; after: mean of 40..49 minus 90..99
+    assert falls["before"] == {"reference": 20.0, "nearest": 20.0} and falls["window_before"] == 10
+    assert falls["after"] == {"reference": 50.0, "nearest": 0.0} and falls["window_after"] == 10
+    short = result.loss_falls(step=13, window=10)           # 3 steps after the warmup: too few
+    assert short["before"] is None and short["after"] is not None
+    assert result.loss_falls(step=16, window=10)["window_before"] == 3
