@@ -23,8 +23,9 @@ import torch
 
 from .formats import FORMAT_NAMES, FloatFormat, format_table, get_format
 from .optimizer import LowPrecisionOptimizer, bytes_per_parameter, select_params
-from .prediction import (FreezeObserver, FreezePredictor, FreezeRecord, freeze_order, freeze_step, mask_mismatch,
-                         steps_agree, stratified_chance_mismatch)
+from .agreement import mask_mismatch, stratified_chance_mismatch
+from .prediction import (FreezeObserver, FreezePredictor, FreezeRecord, freeze_order, freeze_step,
+                         steps_agree)
 from .rounding import move_probability, quantize, ulp, update_ulp_ratio, would_freeze
 from .runtime import by_scale, pick_device, progress_bar, scale, seed_everything
 from .config import TrainConfig, lr_factor

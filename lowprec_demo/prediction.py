@@ -17,7 +17,7 @@ change.
 
 Element by element: with ``keep_masks=True`` both trackers keep the last step's frozen mask
 (``masks[format][tensor]``, one bool per element), so that a reference run and a low-precision
-run stepped in lockstep can be compared element by element (:func:`mask_mismatch`) in memory
+run stepped in lockstep can be compared element by element (:func:`lowprec_demo.agreement.mask_mismatch`) in memory
 proportional to the parameters.
 
 Baselines: the *schedule rule* (:meth:`FreezePredictor.schedule_rule`) predicts without the
@@ -61,7 +61,7 @@ from .formats import FloatFormat, get_format
 from .rounding import move_probability, quantize, update_ulp_ratio, would_freeze
 
 __all__ = ["FreezeRecord", "StepTracker", "FreezePredictor", "FreezeObserver", "freeze_step", "freeze_order",
-           "steps_agree", "named_tensors", "mask_mismatch", "stratified_chance_mismatch", "RATIO_BINS"]
+           "steps_agree", "named_tensors", "RATIO_BINS"]
 
 # log2(|d| / gap) histogram bins: edges -24, -23, ..., +8 (values outside go to the end bins).
 RATIO_BINS = list(RATIO_EDGES)
@@ -187,61 +187,6 @@ def _frozen_mask(stored: torch.Tensor, old: torch.Tensor, new: torch.Tensor, fmt
     if old.dtype == torch.float32 and kernels.fits(old, fmt):
         return kernels.freeze_detail(old.reshape(-1), new.reshape(-1), fmt)[0].view(old.shape)
     return would_freeze(stored, new - old, fmt)
-
-
-def mask_mismatch(predicted: Mapping[str, torch.Tensor], observed: Mapping[str, torch.Tensor]) -> tuple:
-    """Element-level agreement of two frozen masks over the same tensors: the fraction of
-    elements whose predicted and observed states differ, and the fraction that two independent
-    masks with the same two frozen fractions p and q would give, ``p(1-q) + q(1-p)`` (chance).
-
-    Example:
-        >>> a = {"w": torch.tensor([True, True, False, False])}
-        >>> b = {"w": torch.tensor([True, False, False, False])}
-        >>> mask_mismatch(a, b)
-        (0.25, 0.5)
-    """
-    names = [k for k in predicted if k in observed]
-    if not names:
-        return math.nan, math.nan
-    sums = torch.stack([torch.stack([(predicted[k] != observed[k]).sum(), predicted[k].sum(), observed[k].sum()])
-                        for k in names]).sum(0).tolist()
-    n = sum(predicted[k].numel() for k in names)
-    differ, p, q = sums[0] / n, sums[1] / n, sums[2] / n
-    return differ, p * (1 - q) + q * (1 - p)
-
-
-def stratified_chance_mismatch(predicted: Mapping[str, torch.Tensor], observed: Mapping[str, torch.Tensor],
-                               weights: Mapping[str, torch.Tensor]) -> float:
-    """The mismatch two masks would show if they were independent *within each stratum*: a tensor
-    and a binade of its weights (the binary exponent of ``weights``; zeros a stratum of their
-    own). Per stratum s with n_s elements and frozen fractions p_s, q_s it is
-    ``p_s(1-q_s) + q_s(1-p_s)``, averaged with weights n_s. Freezing depends mostly on a weight's
-    exponent, so this chance level is lower than :func:`mask_mismatch`'s global one: a prediction
-    that knew only each weight's size and the schedule would come close to it.
-
-    Example:
-        >>> w = {"w": torch.tensor([1.0, 1.5, 0.01, 0.015])}   # two binades, two elements each
-        >>> p = {"w": torch.tensor([True, True, False, False])}
-        >>> q = {"w": torch.tensor([True, False, False, False])}
-        >>> mask_mismatch(p, q)[1], stratified_chance_mismatch(p, q, w)
-        (0.5, 0.25)
-    """
-    names = [k for k in predicted if k in observed and k in weights]
-    if not names:
-        return math.nan
-    total = n_all = 0.0
-    for k in names:
-        exponent = torch.frexp(weights[k].detach().reshape(-1).float())[1].long()
-        exponent = torch.where(weights[k].detach().reshape(-1) == 0, exponent.min() - 1, exponent)
-        bins = exponent - exponent.min()
-        n = torch.bincount(bins).double()
-        p = torch.bincount(bins, weights=predicted[k].reshape(-1).double(), minlength=n.numel())
-        q = torch.bincount(bins, weights=observed[k].reshape(-1).double(), minlength=n.numel())
-        # per stratum n (p/n)(1 - q/n) + (q/n)(1 - p/n) = (p (n - q) + q (n - p)) / n
-        safe = n.clamp(min=1)
-        total += float(((p * (n - q) + q * (n - p)) / safe).sum())
-        n_all += bins.numel()
-    return total / n_all if n_all else math.nan
 
 
 class StepTracker:

@@ -105,7 +105,7 @@ class TrainResult:
     round-to-nearest run, ``element_mismatch`` (the fraction of elements whose predicted and
     observed frozen states differ), ``chance_mismatch`` (what independent masks with the same two
     fractions would give) and ``stratified_chance_mismatch`` (independent masks within each tensor
-    and binade of the weights, :func:`~lowprec_demo.prediction.stratified_chance_mismatch`)."""
+    and binade of the weights, :func:`~lowprec_demo.agreement.stratified_chance_mismatch`)."""
 
     experiment: str
     config: TrainConfig

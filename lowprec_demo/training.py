@@ -55,7 +55,8 @@ from .config import VARIANTS, TrainConfig, lr_factor
 from .distributed import DataParallel, Distributed, init_distributed, mean_over_ranks, replicas_identical
 from .formats import get_format
 from .optimizer import LowPrecisionOptimizer, bytes_per_parameter, select_params
-from .prediction import FreezeObserver, FreezePredictor, mask_mismatch, stratified_chance_mismatch
+from .agreement import mask_mismatch, stratified_chance_mismatch
+from .prediction import FreezeObserver, FreezePredictor
 from .results import RunRecord, TrainResult, provenance
 from .runtime import pick_device, progress_bar
 

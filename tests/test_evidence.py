@@ -14,7 +14,8 @@ import torch
 import lowprec_demo as lp
 from lowprec_demo import training
 from lowprec_demo.experiments import get_experiment, make_config
-from lowprec_demo.prediction import FreezeObserver, FreezePredictor, mask_mismatch, stratified_chance_mismatch
+from lowprec_demo.agreement import mask_mismatch, stratified_chance_mismatch
+from lowprec_demo.prediction import FreezeObserver, FreezePredictor
 from lowprec_demo.rounding import quantize
 
 

@@ -1,9 +1,9 @@
 """``nanogpt``: a character-level GPT on Tiny Shakespeare, the setup of nanoGPT's shakespeare-char.
 
 AdamW with a linear warmup and a cosine decay of the learning rate to a tenth of its peak, weight
-decay on matrices only (nanoGPT's recipe; the quick model starts the cosine at 3e-4 rather than
-nanoGPT's 1e-3, see ``_defaults``). Every parameter is stored on the format's grid after every step (``bf16``: 7 mantissa bits,
-"bf16-equivalent stored weights").
+decay on matrices only (nanoGPT's recipe; the quick model starts the cosine at 2e-4 rather than
+nanoGPT's 1e-3, see ``_defaults``). Every parameter is stored on the format's grid after every
+step (``bf16``: 7 mantissa bits, "bf16-equivalent stored weights").
 
 Why there is a wall: Adam's update is about ``lr_t`` in size whatever the gradient, and round to
 nearest drops an update below half a gap of the weight, about ``|w| 2^-(m+1)`` for m mantissa
@@ -82,10 +82,11 @@ def _defaults(scale: str) -> dict:
     if scale == "quick":
         # a 2-layer model small enough to train, predict and observe on a laptop CPU. At nanoGPT's
         # peak of 1e-3 it has learned nearly all it can by the time its bf16 weights freeze (the
-        # fp32 run then gains under 0.01 nats), so the quick run starts the same cosine at 3e-4:
-        # the weights freeze in the middle of the run, while fp32 still learns
+        # fp32 run then gains about 0.01 nats; chapter 6 shows the stored runs), so the quick run
+        # starts the same cosine at 2e-4: the bf16 weights freeze at about a third of the run,
+        # while fp32 still learns a tenth of a nat or more
         options = NanoGPTOptions(n_layer=2, n_head=4, n_embd=64, block_size=64, batch_size=8)
-        return {**recipe, "lr": 3e-4, "steps": 600, "warmup_steps": 10,
+        return {**recipe, "lr": 2e-4, "steps": 600, "warmup_steps": 10,
                 "options": options.to_dict("model", *_SHAPE_OPTIONS, "batch_size", "eval_batches")}
     # nanoGPT's shakespeare-char model (6 layers, 6 heads, 384 wide, context 256), without dropout,
     # and its schedule (5000 steps, warmup 100, lr 1e-3 to 1e-4)
