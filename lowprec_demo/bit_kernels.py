@@ -99,14 +99,16 @@ def nearest_params(fmt: FloatFormat, policy: Optional[str]) -> list:
     return [fmt.man_bits, fmt.e_min + 127, _F32.bits(fmt.max), _overflow_bits(fmt, policy)]
 
 
-def stochastic_params(fmt: FloatFormat, policy: str, rand_bits: Optional[int], seed: int) -> list:
+def stochastic_params(fmt: FloatFormat, policy: str, rand_bits: Optional[int], seed: int, first: int = 0) -> list:
     """``[m, e_min + 127, k, bits of max, overflow bits, bits of the smallest subnormal, the two
     seed words as int32, index of the first element]`` for :func:`sr_fp32`; k = 32 for full
-    resolution."""
+    resolution. ``first`` (0 unless the tensor is a piece of a larger one, such as a shard of
+    a parameter) numbers the first element, so that element i draws the hash of (seed,
+    first + i)."""
     k = 32 if rand_bits is None else rand_bits
     s1, s2 = seed_words(seed)
     return [fmt.man_bits, fmt.e_min + 127, k, _F32.bits(fmt.max), _overflow_bits(fmt, policy),
-            _F32.bits(fmt.smallest_subnormal), s1, s2, 0]
+            _F32.bits(fmt.smallest_subnormal), s1, s2, first]
 
 
 def seed_words(seed: int, stream: int = 0) -> tuple:

@@ -261,18 +261,20 @@ def nearest_(x: torch.Tensor, fmt: FloatFormat, policy: str, eager=None) -> torc
     return x
 
 
-def stochastic(x: torch.Tensor, fmt: FloatFormat, policy: str, rand_bits: Optional[int], seed: int) -> torch.Tensor:
+def stochastic(x: torch.Tensor, fmt: FloatFormat, policy: str, rand_bits: Optional[int], seed: int,
+               first: int = 0) -> torch.Tensor:
     """SR of a float32 tensor as a new tensor; element i of ``x`` in row-major order draws the
-    hash of (seed, i)."""
-    p = torch.tensor(bits.stochastic_params(fmt, policy, rand_bits, seed), dtype=torch.int32, device=x.device)
+    hash of (seed, first + i)."""
+    p = torch.tensor(bits.stochastic_params(fmt, policy, rand_bits, seed, first), dtype=torch.int32, device=x.device)
     flat = x.reshape(-1)
     out = _KERNELS["stochastic"](flat.view(torch.int32), p)
     return out.view(torch.float32).view(x.shape)
 
 
-def stochastic_(x: torch.Tensor, fmt: FloatFormat, policy: str, rand_bits: Optional[int], seed: int) -> torch.Tensor:
+def stochastic_(x: torch.Tensor, fmt: FloatFormat, policy: str, rand_bits: Optional[int], seed: int,
+                first: int = 0) -> torch.Tensor:
     """SR of a contiguous float32 tensor, in place (the same bits as :func:`stochastic`)."""
-    p = torch.tensor(bits.stochastic_params(fmt, policy, rand_bits, seed), dtype=torch.int32, device=x.device)
+    p = torch.tensor(bits.stochastic_params(fmt, policy, rand_bits, seed, first), dtype=torch.int32, device=x.device)
     _KERNELS["stochastic_"](x.view(-1).view(torch.int32), p)
     return x
 

@@ -42,7 +42,7 @@ from typing import Callable, Iterable, Optional, Union
 
 import torch
 
-from . import kernels
+from . import kernels, sharding
 from .packing import packs
 from .formats import FloatFormat, check_overflow_policy, get_format
 from .rounding import ROUNDING_MODES, GeneratorLike, quantize, quantize_
@@ -192,6 +192,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         for p in self.lowprec_params:
             if p.dtype not in (torch.float32, torch.float64):
                 raise TypeError(f"low-precision parameters are simulated in float32 or float64; got {p.dtype}")
+            sharding.check_placements(p)    # FSDP2's Shard(0) (and Replicate) only
         self._compensation_buffers: dict = {}
         # the float32 (or float64) values before any rounding: what the optimizer steps
         self._masters: dict = {p: p.detach().clone() for p in self.lowprec_params} if master_weights else {}
@@ -220,6 +221,9 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         place by the fused kernels, the small ones packed into one flat tensor (one call, and
         for SR one seed, per pack); anything else tensor by tensor."""
         policy = self.overflow if fmt is self.fmt else fmt.overflow
+        if sharding.any_sharded(tensors):   # FSDP2: each process rounds its pieces, with the whole tensors' bits
+            sharding.store_pieces(self._pack_plan(tensors), fmt, rounding, self.generator, self.rand_bits, policy)
+            return
         for members, pack in self._pack_plan(tensors):
             if pack is None:
                 for t in members:
@@ -267,7 +271,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         held = sum(pack.held_bytes() for plan in self.__dict__.get("_pack_cache", {}).values()
                    for _, pack in plan if pack is not None)
         buffers = list(self._compensation_buffers.values()) + list(self._masters.values())
-        return held + sum(b.numel() * b.element_size() for b in buffers)
+        return held + sum(sharding.local_part(b).numel() * b.element_size() for b in buffers)
 
     @torch.optim.Optimizer.profile_hook_step   # runs the step hooks (register_step_pre_hook ...)
     @torch.no_grad()
@@ -275,19 +279,19 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         """One step of the inner optimizer, then store the selected parameters in low precision.
         Step hooks registered on this optimizer run before and after the whole step, rounding
         included."""
+        local = sharding.local_part    # (a sharded parameter's own piece; a plain tensor itself)
         if self.master_weights:   # the step starts from the master copy (gradients are the rounded weights')
             for p in self.lowprec_params:
-                p.copy_(self._masters[p])
+                local(p).copy_(local(self._masters[p]))
         loss = self.optimizer.step(closure)
         if self.master_weights:
             for p in self.lowprec_params:
-                self._masters[p].copy_(p)
+                local(self._masters[p]).copy_(local(p))
             self._store(self.lowprec_params, self.fmt, "nearest")
         elif self.compensation == "kahan":
-            for p in self.lowprec_params:
-                buf = self._compensation_buffers.get(p)
-                if buf is None:
-                    buf = self._compensation_buffers[p] = torch.zeros_like(p)
+            self.prepare_buffers()
+            for param in self.lowprec_params:
+                p, buf = local(param), local(self._compensation_buffers[param])
                 target = p + buf                     # what the weight should be, residual included
                 stored = quantize(target, self.fmt, overflow=self.overflow)
                 residual = target - stored           # exact: target and stored are within an ulp
@@ -305,6 +309,46 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
                         states.append(value)
             self._store(states, self.state_format, self.state_rounding)
         return loss
+
+    def prepare_buffers(self) -> None:
+        """Make the Kahan compensation buffers (zeros) that the first step would make."""
+        if self.compensation == "kahan":
+            for p in self.lowprec_params:
+                if p not in self._compensation_buffers:
+                    self._compensation_buffers[p] = torch.zeros_like(p)
+
+    @torch.no_grad()
+    def prepare_state(self) -> None:
+        """Create every state tensor a step would create, without changing a weight or drawing
+        a random bit: the inner optimizer's state by one step at learning rate 0 on zero
+        gradients (skipped once it has state), and the Kahan buffers. Then :meth:`state_dict`
+        has the layout of a trained optimizer's, the template ``torch.distributed.checkpoint.load``
+        fills in place before :meth:`load_state_dict`::
+
+            state = {"optimizer": opt.state_dict()}                 # saving
+            dcp.save(state, checkpoint_id=folder)
+            opt.prepare_state(); state = {"optimizer": opt.state_dict()}   # loading, into a new optimizer
+            dcp.load(state, checkpoint_id=folder); opt.load_state_dict(state["optimizer"])
+        """
+        self.prepare_buffers()
+        if self.optimizer.state:
+            return
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        grads = [p.grad for p in params]
+        lrs = [group.get("lr") for group in self.optimizer.param_groups]
+        try:
+            for p in params:
+                p.grad = torch.zeros_like(p)
+            for group in self.optimizer.param_groups:
+                if "lr" in group:
+                    group["lr"] = torch.zeros_like(group["lr"]) if torch.is_tensor(group["lr"]) else 0.0
+            self.optimizer.step()   # the inner one: no rounding, no random bits
+        finally:
+            for p, g in zip(params, grads):
+                p.grad = g
+            for group, lr in zip(self.optimizer.param_groups, lrs):
+                if lr is not None:
+                    group["lr"] = lr
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients (delegates to the inner optimizer)."""

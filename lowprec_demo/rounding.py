@@ -57,7 +57,7 @@ from .formats import FloatFormat, check_overflow_policy, get_format
 from .freeze_rule import LAYOUTS, RATIO_EDGES, freeze_elements, move_share, rule_params
 
 __all__ = ["quantize", "quantize_", "ulp", "would_freeze", "move_probability", "update_ulp_ratio", "decay_rounds_back",
-           "ROUNDING_MODES", "random_bits"]
+           "ROUNDING_MODES", "random_bits", "draw_seed"]
 
 ROUNDING_MODES = ("nearest", "stochastic")
 GeneratorLike = Union[torch.Generator, int, None]
@@ -140,29 +140,54 @@ def _draw_seed(generator: GeneratorLike) -> int:
     return int(torch.randint(0, 2**62, (), generator=generator, device=device).item())
 
 
-def random_bits(shape, seed: int, stream: int = 0, device=None) -> torch.Tensor:
+def draw_seed(generator: GeneratorLike) -> int:
+    """The 64-bit seed one rounding call draws: from the generator (advancing it by one draw),
+    the int given, or torch's default CPU generator for None. Stochastic rounding of several
+    pieces of one tensor (the shards of a parameter) draws it once and gives it to each piece,
+    with the piece's ``index_offset``.
+
+    Example:
+        >>> draw_seed(torch.Generator().manual_seed(0)) == draw_seed(torch.Generator().manual_seed(0))
+        True
+    """
+    return _draw_seed(generator)
+
+
+def _check_first(first) -> int:
+    if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+        raise ValueError(f"index_offset must be a non-negative integer (the index of the first element), got {first!r}")
+    return first
+
+
+def random_bits(shape, seed: int, stream: int = 0, device=None, first: int = 0) -> torch.Tensor:
     """32 random bits per element (int64 values in [0, 2^32)), a pure function of
     ``(seed, stream, element index)``: identical on every device and process. The hash is
     :func:`lowprec_demo.bit_kernels.hash32`, the one the stochastic-rounding kernel draws.
+    ``first`` numbers the first element (the elements are ``first, first + 1, ...``): a
+    piece of a larger tensor draws that tensor's bits.
 
     Example:
         >>> random_bits((3,), seed=1).tolist() == random_bits((3,), seed=1).tolist()
         True
+        >>> random_bits((2,), seed=1, first=1).tolist() == random_bits((3,), seed=1).tolist()[1:]
+        True
     """
     numel = math.prod(shape)
-    if numel > 1 << 32:
-        raise ValueError(f"random_bits numbers at most 2**32 elements (32-bit indices); got {numel}")
-    index = torch.arange(numel, dtype=torch.int32 if numel <= 1 << 31 else torch.int64, device=device)
+    _check_first(first)
+    if first + numel > 1 << 32:
+        raise ValueError(f"random_bits numbers at most 2**32 elements (32-bit indices); got {first + numel}")
+    wide = first + numel > 1 << 31
+    index = torch.arange(first, first + numel, dtype=torch.int64 if wide else torch.int32, device=device)
     s1, s2 = bit_kernels.seed_words(seed, stream)
     return (bit_kernels.hash32(index.to(torch.int32), s1, s2).to(torch.int64) & _M32).view(shape)
 
 
-def _uniform_ints(shape, nbits: int, seed: int, device) -> torch.Tensor:
+def _uniform_ints(shape, nbits: int, seed: int, device, first: int = 0) -> torch.Tensor:
     """Uniform integers in [0, 2^nbits), 1 <= nbits <= 53, as int64."""
     if nbits <= 32:
-        return random_bits(shape, seed, 0, device) >> (32 - nbits)
-    hi = random_bits(shape, seed, 0, device)
-    lo = random_bits(shape, seed, 1, device)
+        return random_bits(shape, seed, 0, device, first) >> (32 - nbits)
+    hi = random_bits(shape, seed, 0, device, first)
+    lo = random_bits(shape, seed, 1, device, first)
     return (hi << (nbits - 32)) | (lo >> (64 - nbits))
 
 
@@ -229,7 +254,8 @@ def _nearest_magnitude(a: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------
 # stochastic rounding on magnitudes
 # ------------------------------------------------------------------------------------------------
-def _stochastic_general(a: torch.Tensor, fmt: FloatFormat, seed: int, rand_bits: Optional[int]) -> torch.Tensor:
+def _stochastic_general(a: torch.Tensor, fmt: FloatFormat, seed: int, rand_bits: Optional[int],
+                        first: int = 0) -> torch.Tensor:
     """SR of float64 input (float32 input goes through :func:`lowprec_demo.bit_kernels.sr_fp32`) by
     an error-free transformation: n = RNE(a) is the nearest neighbour and err = a - n is
     exact (Sterbenz); the other neighbour is one gap away on err's side, taken with probability
@@ -247,7 +273,7 @@ def _stochastic_general(a: torch.Tensor, fmt: FloatFormat, seed: int, rand_bits:
     gap_exp -= spec.bias + fmt.man_bits
     gap = _pow2(gap_exp, a.dtype)
     prob_scaled = err.abs_().div_(gap).mul_(2.0**k).round_()  # position in the gap, k bits, RNE
-    move = _uniform_ints(a.shape, k, seed, a.device) < prob_scaled.to(torch.int64)
+    move = _uniform_ints(a.shape, k, seed, a.device, first) < prob_scaled.to(torch.int64)
     step = torch.where(up, gap, -gap)
     return n.add_(step.masked_fill_(~move, 0.0))
 
@@ -288,7 +314,7 @@ def _native_dtype(x: torch.Tensor, fmt: FloatFormat, policy: str) -> Optional[to
 
 
 def _checked(x: torch.Tensor, fmt: Union[str, FloatFormat], rounding: str, rand_bits: Optional[int],
-             overflow: Optional[str]) -> Tuple[FloatFormat, str]:
+             overflow: Optional[str], index_offset: int = 0) -> Tuple[FloatFormat, str]:
     """The arguments of :func:`quantize` and :func:`quantize_` checked (each bad one refused
     with the values it may take): the format and the overflow policy that applies."""
     fmt = get_format(fmt)
@@ -296,6 +322,7 @@ def _checked(x: torch.Tensor, fmt: Union[str, FloatFormat], rounding: str, rand_
     if rounding not in ROUNDING_MODES:
         raise ValueError(f"rounding must be one of {', '.join(ROUNDING_MODES)}; got {rounding!r}")
     _check_rand_bits(rand_bits)
+    _check_first(index_offset)
     policy = fmt.overflow if overflow is None else overflow
     check_overflow_policy(fmt, policy)
     _check_narrow(x.dtype, fmt)
@@ -304,7 +331,7 @@ def _checked(x: torch.Tensor, fmt: Union[str, FloatFormat], rounding: str, rand_
 
 def quantize(x: torch.Tensor, fmt: Union[str, FloatFormat], rounding: str = "nearest",
              generator: GeneratorLike = None, rand_bits: Optional[int] = None,
-             overflow: Optional[str] = None) -> torch.Tensor:
+             overflow: Optional[str] = None, index_offset: int = 0) -> torch.Tensor:
     """Round every element of ``x`` onto the grid of ``fmt``; return a new tensor of x's dtype
     and device.
 
@@ -316,6 +343,10 @@ def quantize(x: torch.Tensor, fmt: Union[str, FloatFormat], rounding: str = "nea
             seed; None draws from torch's default CPU generator.
         rand_bits: for SR, the number of random bits k (1..32); None is full resolution.
         overflow: override the format's overflow policy: ``"inf"``, ``"saturate"`` or ``"nan"``.
+        index_offset: for SR, the index of ``x``'s first element: element i (row-major) draws
+            the random bits of element ``index_offset + i``, so that a piece of a larger tensor
+            (a shard: a block of rows) rounded with the whole tensor's seed gets the whole
+            tensor's bits. Round to nearest ignores it.
 
     RNE returns ``w`` from ``w + d`` exactly when ``|d| < ulp(w)/2`` (a tie goes to the even
     neighbour); SR moves to the neighbour away from zero with probability (distance to the lower
@@ -325,11 +356,11 @@ def quantize(x: torch.Tensor, fmt: Union[str, FloatFormat], rounding: str = "nea
         >>> quantize(torch.tensor([1.0, 1.0 + 2**-8, 1.0 + 3 * 2**-8]), "bf16").tolist()
         [1.0, 1.0, 1.015625]
     """
-    fmt, policy = _checked(x, fmt, rounding, rand_bits, overflow)
+    fmt, policy = _checked(x, fmt, rounding, rand_bits, overflow, index_offset)
     x = x.detach()
 
     if x.dtype in _NARROW:  # widen exactly, round, narrow exactly (the format fits in the dtype)
-        return quantize(x.float(), fmt, rounding, generator, rand_bits, policy).to(x.dtype)
+        return quantize(x.float(), fmt, rounding, generator, rand_bits, policy, index_offset).to(x.dtype)
 
     if rounding == "nearest":
         native = _native_dtype(x, fmt, policy)
@@ -343,18 +374,18 @@ def quantize(x: torch.Tensor, fmt: Union[str, FloatFormat], rounding: str = "nea
             return kernels.nearest(x, fmt, policy, eager=(lambda: x.to(native).float()) if native is not None else None)
         return _generic_nearest(x, fmt, policy)
     seed = _draw_seed(generator)
-    if x.dtype == torch.float32 and x.numel() <= kernels.MAX_NUMEL:
-        return kernels.stochastic(x, fmt, policy, rand_bits, seed)
-    r = _stochastic_general(x.abs(), fmt, seed, rand_bits)
+    if x.dtype == torch.float32 and index_offset + x.numel() <= kernels.MAX_NUMEL:
+        return kernels.stochastic(x, fmt, policy, rand_bits, seed, index_offset)
+    r = _stochastic_general(x.abs(), fmt, seed, rand_bits, index_offset)
     return _apply_overflow(r, fmt, policy).copysign_(x)
 
 
 def quantize_(x: torch.Tensor, fmt: Union[str, FloatFormat], rounding: str = "nearest",
               generator: GeneratorLike = None, rand_bits: Optional[int] = None,
-              overflow: Optional[str] = None) -> torch.Tensor:
+              overflow: Optional[str] = None, index_offset: int = 0) -> torch.Tensor:
     """Round every element of ``x`` onto the grid of ``fmt`` in place and return ``x``: the
-    same bits as ``x.copy_(quantize(x, fmt, rounding, generator, rand_bits, overflow))``, with
-    the same arguments, and no gradient recorded.
+    same bits as ``x.copy_(quantize(x, fmt, rounding, generator, rand_bits, overflow,
+    index_offset))``, with the same arguments, and no gradient recorded.
 
     RNE: ``q(x)`` is the grid value nearest to ``x`` (a tie to the even neighbour); SR: the
     neighbour away from zero with probability ``(|x| - lo) / gap``, so ``E[q(x)] = x``.
@@ -368,12 +399,12 @@ def quantize_(x: torch.Tensor, fmt: Union[str, FloatFormat], rounding: str = "ne
         >>> quantize_(torch.tensor([1.0 + 2**-9, 3.0]), "e2m1").tolist()
         [1.0, 3.0]
     """
-    fmt, policy = _checked(x, fmt, rounding, rand_bits, overflow)
+    fmt, policy = _checked(x, fmt, rounding, rand_bits, overflow, index_offset)
     with torch.no_grad():
-        if x.dtype != torch.float32 or not x.is_contiguous() or x.numel() > kernels.MAX_NUMEL:
-            return x.copy_(quantize(x, fmt, rounding, generator, rand_bits, policy))
+        if x.dtype != torch.float32 or not x.is_contiguous() or index_offset + x.numel() > kernels.MAX_NUMEL:
+            return x.copy_(quantize(x, fmt, rounding, generator, rand_bits, policy, index_offset))
         if rounding == "stochastic":
-            return kernels.stochastic_(x, fmt, policy, rand_bits, _draw_seed(generator))
+            return kernels.stochastic_(x, fmt, policy, rand_bits, _draw_seed(generator), index_offset)
         native = _native_dtype(x, fmt, policy)
         if native == x.dtype:  # the grid holds every float32 value: nothing to do
             return x

@@ -56,7 +56,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from . import kernels, watch_forecast
+from . import kernels, sharding, watch_forecast
 from .formats import DTYPE_FORMATS, FloatFormat, format_of_dtype, get_format
 from .optimizer import LowPrecisionOptimizer
 from .prediction import FreezeRecord, freeze_step
@@ -116,6 +116,21 @@ class _SamplePlan:
         exact = torch.int64 if values.dtype == torch.bool else torch.float64
         total = values.cumsum(0, dtype=exact)[self.ends]
         return torch.diff(total, prepend=total.new_zeros(1)).double()
+
+    def grads(self, params: List[torch.Tensor]) -> torch.Tensor:
+        """The gradients at the followed elements (zeros for a parameter without one)."""
+        return self.gather([p.grad if p.grad is not None else p.new_zeros(()).expand(p.shape) for p in params])
+
+    @staticmethod
+    def row_flags(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        """For an embedding: whether each row has a gradient."""
+        return grad.reshape(grad.shape[0], -1).ne(0).any(1)
+
+    @staticmethod
+    def reduce(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
+        """One process holds everything: the tensors as they are (see
+        :meth:`lowprec_demo.sharding.ShardedSamplePlan.reduce`)."""
+        return tensors
 
 
 class FreezeWatch:
@@ -206,7 +221,10 @@ class FreezeWatch:
                             if isinstance(mod, torch.nn.Embedding)} & set(self.tracked)
         self._hist: Dict[str, torch.Tensor] = {}        # per format: (tensors, bins), a moving average
         self._before: Optional[torch.Tensor] = None
-        self._plan = _SamplePlan([self._params[n] for n in self.tracked], sample)
+        followed = [self._params[n] for n in self.tracked]
+        # FSDP2 (DTensor parameters): each process follows its pieces, the counts added over processes
+        self.sharded = sharding.any_sharded(followed)
+        self._plan = (sharding.ShardedSamplePlan if self.sharded else _SamplePlan)(followed, sample)
         self._groups = self._group_tensors()
         self._step = 0
         self._state_values: Dict[tuple, float] = {}
@@ -246,17 +264,17 @@ class FreezeWatch:
         self.lrs.append(self._lr_now)
         plan, params = self._plan, [self._params[n] for n in self.tracked]
         new = plan.gather([p.detach() for p in params])
-        grad = plan.gather([p.grad if p.grad is not None else p.new_zeros(()).expand(p.shape) for p in params])
-        for n in self._embeddings:    # rows that had a gradient, in full: an embedding's unused rows
-            g = self._params[n].grad
-            if g is not None:
-                seen = g.reshape(g.shape[0], -1).ne(0).any(1)
-                self._rows_seen[n] = seen if n not in self._rows_seen else self._rows_seen[n] | seen
+        grad = plan.grads(params)
+        # rows that had a gradient, in full: an embedding's unused rows
+        row_names = [n for n in self._embeddings if self._params[n].grad is not None]
+        rows = [plan.row_flags(self._params[n], self._params[n].grad) for n in row_names]
         counted = self._plan.counts
         if self.mode == "observe":
             has_grad = grad != 0
             same = new == self._before
             parts = torch.stack([plan.per_tensor(c) for c in (~has_grad, same, same & has_grad)])
+            parts, *rows = plan.reduce([parts, *rows])    # (sharded: the counts of every process added)
+            self._add_rows(row_names, rows)
             values = parts.tolist()                  # one transfer
             for j, n in enumerate(self.tracked):
                 self.idle[n].append(values[0][j] / counted[j])
@@ -265,7 +283,7 @@ class FreezeWatch:
             self._append({f: [(n, values[1][j], counted[j], None) for j, n in enumerate(self.tracked)
                               if self._formats[n].name == f] for f in names})
         else:
-            self._predict(plan, self._before, new, grad)
+            self._predict(plan, self._before, new, grad, row_names, rows)
         self._watch_counters(step)
         if self.writer is not None:
             for f in self.formats:
@@ -279,7 +297,13 @@ class FreezeWatch:
         if self.path is not None and len(self.steps) % self.save_every == 0:
             self.save(self.path)
 
-    def _predict(self, plan: "_SamplePlan", old: torch.Tensor, new: torch.Tensor, grad: torch.Tensor) -> None:
+    def _add_rows(self, names: List[str], rows: List[torch.Tensor]) -> None:
+        for n, seen in zip(names, rows):
+            seen = seen if seen.dtype == torch.bool else seen > 0
+            self._rows_seen[n] = seen if n not in self._rows_seen else self._rows_seen[n] | seen
+
+    def _predict(self, plan: "_SamplePlan", old: torch.Tensor, new: torch.Tensor, grad: torch.Tensor,
+                 row_names: List[str], rows: List[torch.Tensor]) -> None:
         """Prediction mode's point of every record, from the rule at ``q(old)``: per format one
         pass writes the codes of :func:`lowprec_demo.freeze_rule.watch_code` (tensor, bin of
         ``log2(|d| / (lr gap))``, frozen, gradient) and the move probabilities; one bincount of
@@ -287,7 +311,7 @@ class FreezeWatch:
         n_tensors, bins = len(plan.counts), len(EDGES) + 1
         lrs = torch.tensor([self._lr_now[self._group[n]] for n in self.tracked], dtype=torch.float64)
         log_lr = torch.log2(lrs.clamp(min=1e-300)).to(torch.float32).to(new.device)
-        rows, sums = {}, []
+        local = []
         for fmt in self.formats_given:
             if kernels.fits(old, fmt):
                 code, moves = kernels.watch_code(old, new, grad, plan.tensor_id, log_lr, fmt, float(EDGES[0]), bins)
@@ -296,14 +320,21 @@ class FreezeWatch:
                 code = watch_code(would_freeze(old, update, fmt), update_ulp_ratio(old, update, fmt).float(), grad,
                                   plan.tensor_id, log_lr, float(EDGES[0]), bins)
                 moves = move_probability(old, update, fmt)
-            counts = torch.bincount(code, minlength=n_tensors * bins * 4).view(n_tensors, bins, 2, 2)
+            local += [torch.bincount(code, minlength=n_tensors * bins * 4).view(n_tensors, bins, 2, 2),
+                      plan.per_tensor(moves)]
+        reduced = plan.reduce(local + rows)    # sharded: the counts of every process added, one all_reduce
+        local = reduced[:len(local)]
+        self._add_rows(row_names, reduced[len(local):])
+        rows, sums = {}, []
+        for i, fmt in enumerate(self.formats_given):
+            counts, moved_sums = local[2 * i], local[2 * i + 1]
             hist = counts.sum((2, 3)).double()
             hist /= hist.sum(1, keepdim=True).clamp(min=1)
             h = self._hist.get(fmt.name)     # a moving average: Adam's ratio varies from step to step
             self._hist[fmt.name] = hist.cpu() if h is None else h.mul_(1 - 1 / _MEMORY).add_(hist.cpu(), alpha=1 / _MEMORY)
             flags = counts.sum(1)            # (tensor, frozen, gradient)
             sums.append(torch.stack([flags[:, 1].sum(1).double(), flags[:, 1, 1].double(), flags[:, :, 0].sum(1).double(),
-                                     plan.per_tensor(moves)]))
+                                     moved_sums]))
         values = torch.stack(sums).tolist()  # one transfer
         counted = plan.counts
         for i, fmt in enumerate(self.formats_given):
@@ -488,7 +519,12 @@ class FreezeWatch:
 
     def save(self, path) -> None:
         """Write :meth:`to_dict` to ``path`` as JSON, atomically (a crash leaves the last saved
-        report as it was)."""
+        report as it was). On sharded parameters every process holds the same report and only
+        the first (rank 0) writes it."""
+        if self.sharded:
+            import torch.distributed as dist
+            if dist.get_rank() != 0:
+                return
         atomic_write_json(path, jsonable(self.to_dict()))
 
     def summary(self, fmt=None, show: bool = True) -> str:
