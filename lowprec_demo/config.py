@@ -16,11 +16,12 @@ from typing import Any, Dict, List, Optional
 
 from .formats import get_format
 
-__all__ = ["TrainConfig", "lr_factor", "VARIANTS", "OPTIMIZERS", "SCHEDULES"]
+__all__ = ["TrainConfig", "lr_factor", "VARIANTS", "OPTIMIZERS", "SCHEDULES", "PARALLEL"]
 
 VARIANTS = ("reference", "nearest", "stochastic", "kahan", "kahan_lp", "master", "nearest_state", "stochastic_state")
 OPTIMIZERS = ("sgd", "adamw", "adam")
 SCHEDULES = ("constant", "cosine", "wsd", "step")
+PARALLEL = ("ddp", "fsdp")     # under torchrun: replicas (DistributedDataParallel) or shards (FSDP2's fully_shard)
 
 
 @dataclass
@@ -34,7 +35,9 @@ class TrainConfig:
     ``"wsd"`` also ``decay_fraction``, ``"step"`` ``step_milestones`` and ``step_gamma``. ``options``
     holds experiment-specific settings (model sizes and the like). ``sr_seed`` seeds stochastic
     rounding's random bits (None: ``seed + 1``), so that SR can be drawn again on the same problem
-    and initialisation.
+    and initialisation. ``parallel`` says how several processes under ``torchrun`` share the
+    model: ``"ddp"`` (a replica each) or ``"fsdp"`` (FSDP2, each process a shard of every
+    parameter); one process ignores it.
     """
 
     format: str = "bf16"
@@ -61,6 +64,7 @@ class TrainConfig:
     eval_every: int = 0
     reference_dtype: str = "float32"
     device: str = "auto"
+    parallel: str = "ddp"
     options: Dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -69,7 +73,7 @@ class TrainConfig:
             get_format(f)
         checks = (("optimizer", self.optimizer, OPTIMIZERS), ("schedule", self.schedule, SCHEDULES),
                   ("reference_dtype", self.reference_dtype, ("float32", "float64")),
-                  ("lowprec_params", self.lowprec_params, ("all", "matrices")))
+                  ("lowprec_params", self.lowprec_params, ("all", "matrices")), ("parallel", self.parallel, PARALLEL))
         for name, value, allowed in checks:
             if value not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")

@@ -18,7 +18,7 @@ import torch
 from .runtime import pick_device
 
 __all__ = ["Distributed", "init_distributed", "finish_distributed", "DataParallel", "mean_over_ranks",
-           "replicas_identical"]
+           "replicas_identical", "shard_model", "whole_tensors"]
 
 
 @dataclass
@@ -84,6 +84,26 @@ class DataParallel(torch.nn.parallel.DistributedDataParallel):
             return super().__getattr__(name)
         except AttributeError:
             return getattr(self.module, name)
+
+
+def shard_model(model: torch.nn.Module) -> torch.nn.Module:
+    """Shard every parameter of ``model`` over the processes with FSDP2
+    (``torch.distributed.fsdp.fully_shard`` on the whole model: each process keeps a block of
+    rows of every parameter, the forward and backward passes gather them); returns the model,
+    now also an ``FSDPModule``. Build the optimizer on its parameters afterwards."""
+    from torch.distributed.fsdp import fully_shard
+    fully_shard(model)
+    return model
+
+
+def whole_tensors(named: dict):
+    """A tensor source for the step trackers of :mod:`lowprec_demo.prediction` on sharded
+    parameters: a callable returning ``{name: whole tensor}``, each gathered from every
+    process when called (so every process calls it at the same points), plain tensors as
+    they are."""
+    def gather() -> dict:
+        return {n: (p.detach().full_tensor() if hasattr(p, "full_tensor") else p) for n, p in named.items()}
+    return gather
 
 
 def mean_over_ranks(value: torch.Tensor, dist_info: Distributed) -> torch.Tensor:

@@ -28,7 +28,10 @@ the trivial "always frozen" and "never frozen".
 
 Under ``torchrun --nproc_per_node=N`` the same functions train data-parallel: each process a
 replica on its share of every batch, gradients averaged (DistributedDataParallel), stochastic
-rounding seeded alike everywhere so the replicas stay bit-identical.
+rounding seeded alike everywhere so the replicas stay bit-identical; with ``parallel="fsdp"``
+each process holds a shard of every parameter instead (FSDP2's ``fully_shard``), rounded with
+the whole tensor's random bits (:mod:`lowprec_demo.sharding`), and the trackers compare the
+whole tensors, gathered at every step.
 
 The configuration lives in :mod:`lowprec_demo.config`, the results in
 :mod:`lowprec_demo.results`, data parallelism in :mod:`lowprec_demo.distributed`;
@@ -52,7 +55,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 import torch
 
 from .config import VARIANTS, TrainConfig, lr_factor
-from .distributed import DataParallel, Distributed, init_distributed, mean_over_ranks, replicas_identical
+from .distributed import (DataParallel, Distributed, init_distributed, mean_over_ranks, replicas_identical, shard_model,
+                          whole_tensors)
 from .formats import get_format
 from .optimizer import LowPrecisionOptimizer, bytes_per_parameter, select_params
 from .agreement import mask_mismatch, stratified_chance_mismatch
@@ -142,13 +146,18 @@ def _run_steps(variant: str, model: torch.nn.Module, task: Task, config: TrainCo
     dtype = torch.float64 if (variant == "reference" and config.reference_dtype == "float64") else torch.float32
     model = model.to(device=device, dtype=dtype)
     net = model
-    if dist_info.enabled:   # gradients are averaged over processes, each on its share of the batch
+    sharded = dist_info.enabled and config.parallel == "fsdp"
+    if sharded:             # FSDP2: each process a shard of every parameter, gradients averaged
+        net = model = shard_model(model)
+    elif dist_info.enabled:   # gradients are averaged over processes, each on its share of the batch
         net = DataParallel(model, device_ids=[dist_info.local_rank] if device.startswith("cuda") else None)
     opt = make_optimizer(model, task, config)
     tracked = lowprec_named_params(model, config)
+    # the trackers compare whole tensors: gathered from the shards at every step under FSDP2
+    source = whole_tensors(tracked) if sharded else tracked
     predictor = observer = None
     if variant == "reference":
-        predictor = FreezePredictor(tracked, predictor_formats, rand_bits=config.rand_bits, keep_masks=keep_masks,
+        predictor = FreezePredictor(source, predictor_formats, rand_bits=config.rand_bits, keep_masks=keep_masks,
                                     fit_steps=fit_steps(config))
     else:
         # the same seed on every process: stochastic rounding draws the same bits everywhere,
@@ -156,7 +165,7 @@ def _run_steps(variant: str, model: torch.nn.Module, task: Task, config: TrainCo
         gen = torch.Generator().manual_seed(config.seed + 1 if config.sr_seed is None else config.sr_seed)
         opt = LowPrecisionOptimizer(opt, config.format, generator=gen, rand_bits=config.rand_bits,
                                     params=list(tracked.values()), **variant_wrapper(variant, config.format))
-        observer = FreezeObserver(tracked, config.format, keep_masks=keep_masks)
+        observer = FreezeObserver(source, config.format, keep_masks=keep_masks)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, config))
     record = RunRecord(variant=variant)
     start = datetime.now()
@@ -260,12 +269,18 @@ def _setup(config: TrainConfig, progress: bool):
     return dist_info, device, progress and dist_info.is_main
 
 
-def _provenance(device: str, dist_info: Distributed, identical: Dict[str, bool]) -> dict:
+def _provenance(device: str, dist_info: Distributed, identical: Dict[str, bool], parallel: str = "ddp") -> dict:
     p = provenance(device)
     if dist_info.enabled:
-        p["distributed"] = {"world_size": dist_info.world_size, "backend": dist_info.backend,
-                            "replicas_identical": identical}
+        p["distributed"] = {"world_size": dist_info.world_size, "backend": dist_info.backend, "parallel": parallel}
+        if parallel == "ddp":    # (FSDP2 keeps no replicas: each process holds a shard)
+            p["distributed"]["replicas_identical"] = identical
     return p
+
+
+def _replicas(dist_info: Distributed, config: TrainConfig) -> bool:
+    """Whether the processes hold replicas to compare (DDP under torchrun)."""
+    return dist_info.enabled and config.parallel == "ddp"
 
 
 def train_variants(experiment: str, task: Task, config: TrainConfig, progress: bool = True) -> TrainResult:
@@ -291,7 +306,7 @@ def train_variants(experiment: str, task: Task, config: TrainConfig, progress: b
 
     def keep(variant, record, model):
         runs[variant] = record
-        if dist_info.enabled:
+        if _replicas(dist_info, config):
             identical[variant] = replicas_identical(model, dist_info)
 
     if "nearest" in config.variants:   # the reference and nearest runs in lockstep
@@ -312,7 +327,8 @@ def train_variants(experiment: str, task: Task, config: TrainConfig, progress: b
             del model
     runs = {v: runs[v] for v in config.variants}
     return TrainResult(experiment=experiment, config=config, runs=runs, predictions=dict(predictor.records),
-                       provenance=_provenance(device, dist_info, identical), description=task.description,
+                       provenance=_provenance(device, dist_info, identical, config.parallel),
+                       description=task.description,
                        baselines=_baselines(predictor, fmt, runs["reference"].lr), agreement=agreement)
 
 
@@ -359,7 +375,7 @@ def train_formats(experiment: str, task: Task, config: TrainConfig, formats: Seq
                                 progress, dist_info, keep_masks=True, position=i + 1)
                for i, name in enumerate(lockstep)}
     (ref_record, predictor, model), near_values, agreement = _lockstep(reference, nearest)
-    identical = {"reference": replicas_identical(model, dist_info)} if dist_info.enabled else {}
+    identical = {"reference": replicas_identical(model, dist_info)} if _replicas(dist_info, config) else {}
     del model
     results: Dict[str, TrainResult] = {}
     for name in names:
@@ -373,11 +389,12 @@ def train_formats(experiment: str, task: Task, config: TrainConfig, formats: Seq
                 record, _, model = _run_one(variant, copy.deepcopy(init), task, cfg, device, cfg.formats, progress,
                                             dist_info)
             runs[variant] = record
-            if dist_info.enabled:
+            if _replicas(dist_info, config):
                 ident[variant] = replicas_identical(model, dist_info)
             del model
         results[name] = TrainResult(experiment=experiment, config=cfg, runs=runs, predictions=dict(predictor.records),
-                                    provenance=_provenance(device, dist_info, ident), description=task.description,
+                                    provenance=_provenance(device, dist_info, ident, config.parallel),
+                                    description=task.description,
                                     baselines=_baselines(predictor, name, ref_record.lr),
                                     agreement=agreement.get(name, {}))
     return results

@@ -320,19 +320,20 @@ class FreezeWatch:
                 code = watch_code(would_freeze(old, update, fmt), update_ulp_ratio(old, update, fmt).float(), grad,
                                   plan.tensor_id, log_lr, float(EDGES[0]), bins)
                 moves = move_probability(old, update, fmt)
-            local += [torch.bincount(code, minlength=n_tensors * bins * 4).view(n_tensors, bins, 2, 2),
-                      plan.per_tensor(moves)]
+            counts = torch.bincount(code, minlength=n_tensors * bins * 4).view(n_tensors, bins, 2, 2)
+            # per tensor: the histogram, the (frozen, gradient) flags and the moves
+            local += [counts.sum((2, 3)), counts.sum(1), plan.per_tensor(moves)]
         reduced = plan.reduce(local + rows)    # sharded: the counts of every process added, one all_reduce
         local = reduced[:len(local)]
         self._add_rows(row_names, reduced[len(local):])
         rows, sums = {}, []
         for i, fmt in enumerate(self.formats_given):
-            counts, moved_sums = local[2 * i], local[2 * i + 1]
-            hist = counts.sum((2, 3)).double()
+            hist, flags, moved_sums = local[3 * i:3 * i + 3]
+            hist = hist.double()
             hist /= hist.sum(1, keepdim=True).clamp(min=1)
             h = self._hist.get(fmt.name)     # a moving average: Adam's ratio varies from step to step
             self._hist[fmt.name] = hist.cpu() if h is None else h.mul_(1 - 1 / _MEMORY).add_(hist.cpu(), alpha=1 / _MEMORY)
-            flags = counts.sum(1)            # (tensor, frozen, gradient)
+            # flags: (tensor, frozen, gradient)
             sums.append(torch.stack([flags[:, 1].sum(1).double(), flags[:, 1, 1].double(), flags[:, :, 0].sum(1).double(),
                                      moved_sums]))
         values = torch.stack(sums).tolist()  # one transfer

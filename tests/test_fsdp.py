@@ -332,5 +332,51 @@ def test_an_unsupported_placement_is_refused_by_name(found):
         assert "Shard(1)" in f["shard1_error"] and "Shard(0) or Replicate()" in f["shard1_error"]
 
 
+# ------------------------------------------------------------------------------------------------
+# the command line: python -m lowprec_demo run ... --set parallel=fsdp under torchrun
+# ------------------------------------------------------------------------------------------------
+CLI_ARGS = ["run", "nanogpt", "--format", "bf16", "--scale", "quick", "--steps", "12", "--device", "cpu",
+            "--no-progress", "--set", "n_layer=1", "--set", "n_head=2", "--set", "n_embd=32", "--set", "block_size=32",
+            "--set", "batch_size=4", "--set", "eval_batches=1"]
+
+
+def test_the_command_line_trains_sharded_like_one_process(tmp_path):
+    """Each process takes half of every batch, as under DDP, so the run is the single-process run
+    up to floating-point reassociation of the batch's gradient (bits are the worker's business)."""
+    from lowprec_demo.cli import main
+    env = dict(os.environ, OMP_NUM_THREADS="1", LOWPREC_OFFLINE="1", PYTHONPATH=str(REPO))
+    data = REPO.parent / "shared" / "data"
+    if (data / "tinyshakespeare.txt").is_file() and not env.get("LOWPREC_DATA_DIR"):
+        env["LOWPREC_DATA_DIR"] = str(data)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "lowprec_demo",
+           *CLI_ARGS, "--set", "parallel=fsdp", "--out", str(tmp_path / "fsdp.json")]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("wrote ") == 1, proc.stdout       # rank 0 alone writes
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("LOWPREC_OFFLINE", "1")
+        if "LOWPREC_DATA_DIR" in env:
+            patch.setenv("LOWPREC_DATA_DIR", env["LOWPREC_DATA_DIR"])
+        assert main([*CLI_ARGS, "--out", str(tmp_path / "single.json")]) == 0
+    sharded, single = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("fsdp", "single"))
+    assert sharded["provenance"]["distributed"] == {"world_size": 2, "backend": "gloo", "parallel": "fsdp"}
+    assert sharded["config"]["parallel"] == "fsdp" and single["config"]["parallel"] == "ddp"
+    for variant in ("reference", "nearest", "stochastic"):
+        a, b = single["runs"][variant]["loss"], sharded["runs"][variant]["loss"]
+        assert len(a) == len(b) == 12 and max(abs(x - y) for x, y in zip(a, b)) < 1e-4, variant
+    for variant in ("nearest", "stochastic"):
+        a, b = single["runs"][variant]["frozen_observed"], sharded["runs"][variant]["frozen_observed"]
+        assert max(abs(x - y) for x, y in zip(a, b)) < 0.01, variant
+    assert single["runs"]["nearest"]["frozen_observed"][-1] > 0.1     # something froze to compare
+    a, b = single["prediction"]["frozen_predicted"], sharded["prediction"]["frozen_predicted"]
+    assert max(abs(x - y) for x, y in zip(a, b)) < 0.01
+
+
+def test_an_unknown_parallel_setting_is_refused_by_name():
+    from lowprec_demo.config import TrainConfig
+    with pytest.raises(ValueError, match="parallel must be one of ddp, fsdp"):
+        TrainConfig(parallel="tp")
+
+
 if __name__ == "__main__":
     _worker(sys.argv[1])
