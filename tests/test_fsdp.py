@@ -41,6 +41,8 @@ CONFIGS = {   # name: LowPrecisionOptimizer settings (None: plain AdamW, the wat
     "kahan": {"compensation": "kahan", "compensation_format": "bf16"},
     "master": {"master_weights": True},
     "predict": None,
+    "stochastic_fp64": {"rounding": "stochastic"},      # float64 parameters: SR outside the fused kernels
+    "hsdp": {"rounding": "stochastic"},                 # 4 processes: replicated over 2, sharded over 2
 }
 
 
@@ -61,9 +63,9 @@ class _Net(torch.nn.Module):
         return self.head(self.body(self.emb(tokens).sum(1)))
 
 
-def _model() -> torch.nn.Module:
+def _model(name: str = "") -> torch.nn.Module:
     torch.manual_seed(0)
-    return _Net()
+    return _Net().to(torch.float64 if name.endswith("fp64") else torch.float32)
 
 
 def _batch(step: int):
@@ -72,7 +74,8 @@ def _batch(step: int):
 
 
 def _loss(model, tokens, target):
-    return (model(tokens) - target).pow(2).mean()
+    out = model(tokens)
+    return (out - target.to(out.dtype)).pow(2).mean()
 
 
 def _make(model, settings, lp):
@@ -138,12 +141,18 @@ def _report_difference(a, b, path="") -> list:
     return [] if a == b or (a != a and b != b) else [f"{path}: {a!r} != {b!r}"]
 
 
-def _shard(model):
+def _shard(model, name: str = ""):
+    """FSDP2 on each layer with parameters and the whole model; ``"hsdp"``: on a 2 x 2 mesh,
+    replicated over its first dimension and sharded over its second."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    import torch.distributed as dist
+    mesh = (init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("replicate", "shard"))
+            if name == "hsdp" else None)
     for part in model.body:
         if any(True for _ in part.parameters()):
-            fully_shard(part)
-    fully_shard(model)
+            fully_shard(part, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model
 
 
@@ -159,7 +168,9 @@ def _worker(out_path: str) -> None:
     packing.SMALL_NUMEL = 1000          # one weight alone, the rest packed (in both runs)
     found: dict = {"world": world, "rank": rank}
     for name, settings in CONFIGS.items():
-        ref, model = _model(), _shard(_model())
+        if name == "hsdp" and world != 4:
+            continue
+        ref, model = _model(name), _shard(_model(name), name)
         ref_opt, ref_sched = _make(ref, settings, lp)
         opt, sched = _make(model, settings, lp)
         kwargs = dict(formats=("bf16", "e4m3"), total_steps=2 * STEPS, sample=64, patience=2)
@@ -170,6 +181,7 @@ def _worker(out_path: str) -> None:
         params = dict(model.named_parameters())
         found[name] = {
             "sharded": all(sharding.is_sharded(p) for p in params.values()),
+            "placements": [type(pl).__name__ for pl in next(iter(params.values())).placements],
             "pieces_smaller": sum(sharding.local_part(p).numel() < p.numel() for p in params.values()),
             "empty_pieces": sum(sharding.local_part(p).numel() == 0 for p in params.values()),
             "bits_equal": {n: torch.equal(_full(p), dict(ref.named_parameters())[n]) for n, p in params.items()},
@@ -283,15 +295,31 @@ def found(request):
 def test_every_process_holds_a_piece(found):
     world = found[0]["world"]
     for f in found:
-        for name in CONFIGS:
+        for name in _names(f):
             assert f[name]["sharded"]
             assert f[name]["pieces_smaller"] >= 5, (name, f["rank"])   # every parameter but 1-row ones split
     # on 4 processes the head (3 rows) leaves the last process without a piece of its weight and bias
     assert any(f["nearest"]["empty_pieces"] for f in found) == (world == 4)
 
 
+def _names(f: dict) -> list:
+    return [n for n in CONFIGS if n in f]
+
+
+def _skip_unless_run(found, name):
+    if name not in found[0]:
+        pytest.skip(f"{name} runs on 4 processes only")
+
+
+def test_hsdp_is_replicated_then_sharded(found):
+    _skip_unless_run(found, "hsdp")
+    assert all(f["hsdp"]["placements"] == ["Replicate", "Shard"] for f in found)
+    assert all(f["nearest"]["placements"] == ["Shard"] for f in found)
+
+
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_weights_and_state_are_the_single_process_bits(found, name):
+    _skip_unless_run(found, name)
     for f in found:
         assert all(f[name]["bits_equal"].values()), (f["rank"], f[name]["bits_equal"])
         assert f[name]["state_equal"], f["rank"]
@@ -309,6 +337,7 @@ def test_the_runs_differ_where_they_should(found):
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_the_watch_report_is_the_single_process_report_on_every_process(found, name):
+    _skip_unless_run(found, name)
     for f in found:
         assert f[name]["report_differences"] == [], (f["rank"], f[name]["report_differences"])
         assert f[name]["summary_equal"] and f[name]["forecast_equal"], f["rank"]
