@@ -8,7 +8,8 @@ grid, predicts from a high-precision run when each weight freezes, and plots it.
 Modules: ``formats`` (float formats), ``rounding`` (exact nearest and stochastic rounding, the
 freeze rule), ``optimizer`` (LowPrecisionOptimizer), ``prediction`` (freeze prediction and
 observation), ``training`` (the training loop), ``experiments`` (named experiments),
-``data`` and ``models``, ``plots``, ``widgets``, ``demos``, ``results`` (stored full-scale
+``data`` and ``models``, ``distributed`` and ``sharding`` (torchrun: DDP replicas, FSDP2 shards),
+``plots``, ``widgets``, ``demos``, ``results`` (stored full-scale
 runs), ``watch`` (a freeze watch for your own training loop: ``lowprec_demo.watch(model, optimizer)``),
 ``remedies`` (the remedies side by side: ``compare_remedies``), ``fidelity`` (torch's own bf16 and
 fp16 optimizer steps, op by op), ``cli`` (``python -m lowprec_demo``) and ``bench`` (``python -m lowprec_demo.bench``).

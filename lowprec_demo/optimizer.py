@@ -145,6 +145,12 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
 
     LR schedulers, ``zero_grad``, ``add_param_group`` and ``state_dict``/``load_state_dict``
     behave as for the inner optimizer; ``param_groups`` and ``state`` are the inner optimizer's.
+
+    The parameters may be FSDP2's sharded ones (``fully_shard``: DTensors placed ``Shard(0)``,
+    or ``Replicate()`` then ``Shard(0)`` for HSDP): each process rounds its own block of rows,
+    stochastic rounding with the random bits one process would draw for those elements
+    (:mod:`lowprec_demo.sharding`), and ``torch.distributed.checkpoint`` saves
+    :meth:`state_dict` (see :meth:`prepare_state` for loading it into a new optimizer).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, fmt: Union[str, FloatFormat],

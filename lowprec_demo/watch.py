@@ -28,6 +28,10 @@ and the whole model will pass the threshold;
 bit the same after the step, and of those the elements whose gradient was not zero (*frozen*)
 and those that had none (*idle*).
 
+On FSDP2's sharded parameters (``fully_shard``) each process follows the watched elements of its
+own blocks and one ``all_reduce`` per watched step adds the counts, so that every process holds
+the report one process would (:mod:`lowprec_demo.sharding`); ``save`` writes from rank 0 only.
+
 ``every=k`` watches one step in k; ``detach()`` removes the hooks (the watch is also a context
 manager). ``save(path)`` writes the report as JSON, atomically, and ``python -m lowprec_demo
 report PATH`` prints it again.

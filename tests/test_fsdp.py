@@ -6,6 +6,8 @@ layers with a LayerNorm and GELUs, and a linear head. Its shapes give uneven blo
 (on 4 processes the head's weight has an empty one) and, with the watch's ``sample=64``,
 strided sampling whose stride does not divide the shards' offsets. ``packing.SMALL_NUMEL`` is
 lowered so that one weight is rounded alone and the rest as a pack of small tensors, in both runs.
+Six optimizer settings run on float32 parameters, one on float64 (stochastic rounding outside the
+fused kernels), and on 4 processes one on a 2 x 2 mesh (HSDP: replicated, then sharded).
 
 For the gradients to be the single process's bit for bit, the batch goes to the processes so that
 the gradient reduction is exact: on 2 processes each takes half of the batch, and the single
