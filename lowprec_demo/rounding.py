@@ -128,18 +128,6 @@ def _check_rand_bits(rand_bits: Optional[int]) -> None:
 # ------------------------------------------------------------------------------------------------
 # random bits: a counter-based hash of (seed, element index)
 # ------------------------------------------------------------------------------------------------
-def _draw_seed(generator: GeneratorLike) -> int:
-    """A 64-bit seed for one call: taken from the generator (advancing it), or the int given."""
-    if isinstance(generator, bool):
-        raise TypeError("generator must be a torch.Generator, an int seed or None")
-    if isinstance(generator, int):
-        return generator & ((1 << 64) - 1)
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(f"generator must be a torch.Generator, an int seed or None, got {type(generator).__name__}")
-    device = generator.device if generator is not None else "cpu"
-    return int(torch.randint(0, 2**62, (), generator=generator, device=device).item())
-
-
 def draw_seed(generator: GeneratorLike) -> int:
     """The 64-bit seed one rounding call draws: from the generator (advancing it by one draw),
     the int given, or torch's default CPU generator for None. Stochastic rounding of several
@@ -150,7 +138,14 @@ def draw_seed(generator: GeneratorLike) -> int:
         >>> draw_seed(torch.Generator().manual_seed(0)) == draw_seed(torch.Generator().manual_seed(0))
         True
     """
-    return _draw_seed(generator)
+    if isinstance(generator, bool):
+        raise TypeError("generator must be a torch.Generator, an int seed or None")
+    if isinstance(generator, int):
+        return generator & ((1 << 64) - 1)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator, an int seed or None, got {type(generator).__name__}")
+    device = generator.device if generator is not None else "cpu"
+    return int(torch.randint(0, 2**62, (), generator=generator, device=device).item())
 
 
 def _check_first(first) -> int:
@@ -373,7 +368,7 @@ def quantize(x: torch.Tensor, fmt: Union[str, FloatFormat], rounding: str = "nea
             # cast where there is one, or the kernel function run eagerly
             return kernels.nearest(x, fmt, policy, eager=(lambda: x.to(native).float()) if native is not None else None)
         return _generic_nearest(x, fmt, policy)
-    seed = _draw_seed(generator)
+    seed = draw_seed(generator)
     if x.dtype == torch.float32 and index_offset + x.numel() <= kernels.MAX_NUMEL:
         return kernels.stochastic(x, fmt, policy, rand_bits, seed, index_offset)
     r = _stochastic_general(x.abs(), fmt, seed, rand_bits, index_offset)
@@ -404,7 +399,7 @@ def quantize_(x: torch.Tensor, fmt: Union[str, FloatFormat], rounding: str = "ne
         if x.dtype != torch.float32 or not x.is_contiguous() or index_offset + x.numel() > kernels.MAX_NUMEL:
             return x.copy_(quantize(x, fmt, rounding, generator, rand_bits, policy, index_offset))
         if rounding == "stochastic":
-            return kernels.stochastic_(x, fmt, policy, rand_bits, _draw_seed(generator), index_offset)
+            return kernels.stochastic_(x, fmt, policy, rand_bits, draw_seed(generator), index_offset)
         native = _native_dtype(x, fmt, policy)
         if native == x.dtype:  # the grid holds every float32 value: nothing to do
             return x
