@@ -71,6 +71,7 @@ from .runtime import progress_bar
 from .watch_diagnoses import DIAGNOSIS_KINDS, Diagnosis, diagnose
 from .watch_forecast import EDGES, check_schedule, schedule_length, unwrap_scheduler
 from .watch_forecast import MEMORY as _MEMORY    # the forecast histogram's moving average, kept in after_step
+from .watch_forecast import RECENT as _RECENT, RatioTrend
 from .watch_report import WatchReport, jsonable, load_watch
 
 # (Diagnosis, DIAGNOSIS_KINDS, WatchReport, load_watch, DTYPE_FORMATS and format_of_dtype are
@@ -224,6 +225,8 @@ class FreezeWatch:
         self._embeddings = {f"{m}.weight" if m else "weight" for m, mod in model.named_modules()
                             if isinstance(mod, torch.nn.Embedding)} & set(self.tracked)
         self._hist: Dict[str, torch.Tensor] = {}        # per format: (tensors, bins), a moving average
+        self._recent: Dict[str, torch.Tensor] = {}      # the same over fewer steps: the trend's start
+        self._trend: Dict[str, RatioTrend] = {}          # per format: the ratio's median per tensor over the run
         self._before: Optional[torch.Tensor] = None
         followed = [self._params[n] for n in self.tracked]
         # FSDP2 (DTensor parameters): each process follows its pieces, the counts added over processes
@@ -335,8 +338,11 @@ class FreezeWatch:
             hist, flags, moved_sums = local[3 * i:3 * i + 3]
             hist = hist.double()
             hist /= hist.sum(1, keepdim=True).clamp(min=1)
-            h = self._hist.get(fmt.name)     # a moving average: Adam's ratio varies from step to step
-            self._hist[fmt.name] = hist.cpu() if h is None else h.mul_(1 - 1 / _MEMORY).add_(hist.cpu(), alpha=1 / _MEMORY)
+            hist = hist.cpu()
+            for store, memory in ((self._hist, _MEMORY), (self._recent, _RECENT)):
+                h = store.get(fmt.name)     # moving averages: Adam's ratio varies from step to step
+                store[fmt.name] = hist.clone() if h is None else h.mul_(1 - 1 / memory).add_(hist, alpha=1 / memory)
+            self._trend.setdefault(fmt.name, RatioTrend()).add(self.steps[-1], hist)
             # flags: (tensor, frozen, gradient)
             sums.append(torch.stack([flags[:, 1].sum(1).double(), flags[:, 1, 1].double(), flags[:, :, 0].sum(1).double(),
                                      moved_sums]))
@@ -383,8 +389,9 @@ class FreezeWatch:
 
     def held_bytes(self) -> int:
         """The memory the watch keeps from step to step: its one copy of the tracked parameters,
-        the forecast's histograms and the rows-with-gradient flags."""
+        the forecast's histograms and trend points and the rows-with-gradient flags."""
         tensors = ([self._before] if self._before is not None else []) + list(self._hist.values()) \
+            + list(self._recent.values()) + [m for t in self._trend.values() for m in t._medians] \
             + list(self._rows_seen.values()) + [self._plan.tensor_id]
         return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -442,11 +449,18 @@ class FreezeWatch:
         """The formats the tensors are stored in (observation) or predicted for (prediction)."""
         return list(dict.fromkeys(self._formats.values())) if self.mode == "observe" else self.formats_given
 
-    def ratio_histogram(self, fmt=None) -> torch.Tensor:
+    def ratio_histogram(self, fmt=None, recent: bool = False) -> torch.Tensor:
         """Prediction mode: per tracked tensor, the histogram of ``log2(|d| / (lr gap))`` in the
         bins of :data:`~lowprec_demo.watch_forecast.EDGES`, a moving average over about the last
-        20 watched steps, as fractions: ``(tensors, bins)``, float64 (a copy)."""
-        return self._hist[self.record(fmt).format].clone()
+        20 watched steps (``recent=True``: the last 4), as fractions: ``(tensors, bins)``,
+        float64 (a copy)."""
+        return (self._recent if recent else self._hist)[self.record(fmt).format].clone()
+
+    def ratio_trend(self, fmt=None) -> RatioTrend:
+        """Prediction mode: the median of ``log2(|d| / (lr gap))`` per tracked tensor at the
+        watched steps (:class:`~lowprec_demo.watch_forecast.RatioTrend`), which the forecast
+        fits its trend on."""
+        return self._trend[self.record(fmt).format]
 
     def rows_with_gradient(self) -> Dict[str, torch.Tensor]:
         """For each embedding tracked, one flag per row: did it have a gradient on a watched step."""
@@ -457,15 +471,17 @@ class FreezeWatch:
         ``{(tensor, key): (last value, steps on which it stood still)}``."""
         return {k: (v, self._stuck_counters.get(k, 0)) for k, v in self._state_values.items()}
 
-    def forecast_curves(self, fmt=None, total_steps: Optional[int] = None) -> Dict[str, Dict[int, float]]:
+    def forecast_curves(self, fmt=None, total_steps: Optional[int] = None,
+                        trend: float = 1.0) -> Dict[str, Dict[int, float]]:
         """The forecast frozen fraction of every tensor and ``"overall"`` at every step after the
         last watched one, to the end of the run: ``{name: {step: fraction}}``.
 
         From what the watch measured: each element's update per unit of learning rate, in gaps
         of its stored value (``|d| / (lr gap)``, a histogram of the last few watched steps), is
-        taken to stay as it is; an element is then frozen at a later step whose learning rate
-        ``lr_s`` makes ``lr_s |d| / (lr gap)`` less than 1/2."""
-        return watch_forecast.forecast_curves(self, fmt, total_steps)
+        carried along each tensor's fitted trend (``trend=0``: taken to stay as it is); an
+        element is then frozen at a later step whose learning rate ``lr_s`` makes
+        ``lr_s |d| / (lr gap)`` less than 1/2 (:func:`~lowprec_demo.watch_forecast.forecast_curves`)."""
+        return watch_forecast.forecast_curves(self, fmt, total_steps, trend)
 
     def update_ratios(self, fmt=None, q: float = 0.5) -> Dict[str, float]:
         """Per tensor, the ``q`` quantile of ``|d| / (lr gap)``, each element's step per unit of
@@ -478,8 +494,11 @@ class FreezeWatch:
                  total_steps: Optional[int] = None) -> Dict[str, object]:
         """The step at which the whole model and each tensor will pass the threshold (the first
         step from which the frozen fraction stays at or above it to the end of the run: the
-        measured points so far, then :meth:`forecast_curves`), or None when that does not
-        happen within the schedule: ``{"overall": step or None, "by_tensor": {name: step or None}}``."""
+        measured points so far, then :meth:`forecast_curves`), with a band, or None when that
+        does not happen within the schedule: ``{"overall": step, "low": step, "high": step,
+        "by_tensor": {name: {"step": ..., "low": ..., "high": ...}}}``
+        (:func:`~lowprec_demo.watch_forecast.forecast`). Computed when asked, from what the
+        hooks keep; it costs the training loop nothing."""
         return watch_forecast.forecast(self, fmt, threshold, total_steps)
 
     def groups(self) -> Dict[str, List[str]]:
@@ -512,7 +531,7 @@ class FreezeWatch:
         if self.mode == "predict" and self.steps and self.total_steps:
             for f in self.formats:
                 ahead = self.forecast_curves(f)
-                forecasts[f] = watch_forecast.freeze_steps(self, self.records[f], ahead, self.threshold)
+                forecasts[f] = watch_forecast.forecast(self, f)
                 curves[f] = {n: {str(s): v for s, v in c.items()} for n, c in ahead.items()}
         return {"kind": "lowprec_demo.watch", "mode": self.mode, "formats": self.formats, "threshold": self.threshold,
                 "every": self.every, "total_steps": self.total_steps, "steps": self.steps, "lrs": self.lrs,

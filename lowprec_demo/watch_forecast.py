@@ -2,10 +2,19 @@
 will stop moving.
 
 The watch measures, in prediction mode, each element's update per unit of learning rate in gaps
-of its stored value, ``|d| / (lr gap)``, as a histogram over :data:`EDGES` (a moving average
-over about :data:`MEMORY` watched steps). Taking that histogram to stay as it is, an element is
-frozen at a later step ``s`` when ``lr_s |d| / (lr gap) < 1/2``: the fraction of a tensor frozen
-at step ``s`` is the fraction of its histogram below ``log2(1 / (2 lr_s))``.
+of its stored value, ``|d| / (lr gap)``, as a histogram over :data:`EDGES`: a moving average
+over about :data:`MEMORY` watched steps, and one over about :data:`RECENT`. An element is frozen
+at a later step ``s`` when ``lr_s |d| / (lr gap) < 1/2``: the fraction of a tensor frozen at
+step ``s`` is the fraction of its histogram below ``log2(1 / (2 lr_s))``.
+
+Measured, these ratios shrink as training goes on (Adam's ``|m| / sqrt(v)`` falls as the
+gradient's noise comes to outweigh its mean), so a histogram taken to stay as it is forecasts
+late. The watch also keeps, per tensor, the median of ``log2`` of the ratio at the watched
+steps (:class:`RatioTrend`, thinned by doubling to at most :data:`TREND_POINTS` points). The
+forecast fits its slope against ``log(step + 1)`` over the later half of the steps seen and
+carries the recent histogram along that slope (a fall only: a rise is taken as none). The band
+runs from the same with 1.5 times the slope (early) to the histogram of the last
+:data:`MEMORY` steps taken to stay as it is (late).
 
 The functions take a :class:`~lowprec_demo.watch.FreezeWatch` (``watch``) and read what it
 measured through its public methods; :class:`~lowprec_demo.watch.FreezeWatch` answers
@@ -28,12 +37,72 @@ import torch
 
 from .prediction import FreezeRecord, freeze_step
 
-__all__ = ["EDGES", "MEMORY", "unwrap_scheduler", "check_schedule", "schedule_length", "lr_schedule",
+__all__ = ["EDGES", "MEMORY", "RECENT", "TREND_POINTS", "BAND_SLOPE", "RatioTrend", "unwrap_scheduler", "check_schedule", "schedule_length", "lr_schedule",
            "fraction_below", "forecast_curves", "update_ratios", "forecast", "freeze_steps"]
 
 # the forecast's histogram of log2(|d| / (lr * gap)): eighths of an octave from 2^-64 to 2^32
 EDGES = torch.arange(-64 * 8, 32 * 8 + 1, dtype=torch.float32) / 8
 MEMORY = 20              # the forecast's histogram: a moving average over about this many watched steps
+RECENT = 4               # the trend's starting histogram: a moving average over about this many watched steps
+TREND_POINTS = 256       # the ratio's medians kept per tensor, at most (thinned by doubling)
+BAND_SLOPE = 1.5         # the band's early edge: the fitted slope times this
+
+
+class RatioTrend:
+    """Per tensor, the median of ``log2(|d| / (lr gap))`` at the watched steps: the points the
+    forecast fits its trend on. At most :data:`TREND_POINTS` points are kept; when full, every
+    other one is dropped and from then on only every second (fourth, ...) step is kept, so the
+    points stay spread over the whole run at a fixed memory.
+
+    Example:
+        >>> t = RatioTrend()
+        >>> h = torch.zeros(1, len(EDGES) + 1, dtype=torch.float64); h[0, 520] = 1.0
+        >>> t.add(0, h); t.steps, t.values()[0].tolist()
+        ([0], [1.0])
+    """
+
+    def __init__(self) -> None:
+        self.steps: List[int] = []
+        self._medians: List[torch.Tensor] = []
+        self._stride, self._seen = 1, 0
+
+    def add(self, step: int, hist: torch.Tensor) -> None:
+        """Add the point of one watched step from its histogram (tensors, bins) of fractions."""
+        self._seen += 1
+        if (self._seen - 1) % self._stride:
+            return
+        idx = (hist.cumsum(1) < 0.5).sum(1).clamp(max=len(EDGES) - 1)
+        self.steps.append(step)
+        self._medians.append(EDGES[idx.cpu()])      # the upper edge of the median's bin
+        if len(self.steps) >= TREND_POINTS:
+            self.steps, self._medians = self.steps[::2], self._medians[::2]
+            self._stride *= 2
+
+    def values(self) -> torch.Tensor:
+        """The medians, ``(points, tensors)``, float32."""
+        return torch.stack(self._medians)
+
+    def slopes(self) -> List[float]:
+        """Per tensor, the least-squares slope of the median against ``log(step + 1)`` over the
+        later half of the steps seen (from half the last step on), in octaves per e-fold of
+        steps; 0 where fewer than 3 points have a nonzero ratio, or where the fit rises."""
+        if not self.steps:
+            return []
+        now = self.steps[-1]
+        keep = [i for i, t in enumerate(self.steps) if t >= now / 2]
+        y = self.values()[keep].double()                        # (points, tensors)
+        x = torch.log(torch.tensor([self.steps[i] + 1.0 for i in keep], dtype=torch.float64))
+        out = []
+        for j in range(y.shape[1]):
+            ok = y[:, j] > float(EDGES[0]) + 1     # a zero ratio sits in the first bin: no point
+            if int(ok.sum()) < 3:
+                out.append(0.0)
+                continue
+            xj, yj = x[ok], y[ok, j]
+            dx = xj - xj.mean()
+            den = float((dx * dx).sum())
+            out.append(0.0 if den == 0 else min(0.0, float((dx * (yj - yj.mean())).sum()) / den))
+        return out
 
 
 def unwrap_scheduler(scheduler):
@@ -125,19 +194,28 @@ def fraction_below(cum: List[float], cutoff: float) -> float:
     return lo + (hi - lo) * (pos - i)
 
 
-def forecast_curves(watch, fmt=None, total_steps: Optional[int] = None) -> Dict[str, Dict[int, float]]:
+def forecast_curves(watch, fmt=None, total_steps: Optional[int] = None,
+                    trend: float = 1.0) -> Dict[str, Dict[int, float]]:
     """The forecast frozen fraction of every tensor and ``"overall"`` at every step after the
     last watched one, to the end of the run: ``{name: {step: fraction}}`` (see
     :meth:`FreezeWatch.forecast_curves <lowprec_demo.watch.FreezeWatch.forecast_curves>`).
 
-    The fraction of a tensor frozen at step ``s`` is :func:`fraction_below` of its histogram at
-    ``log2(0.5 / lr_s)`` (1 where ``lr_s <= 0``); overall, the size-weighted mean."""
+    The fraction of a tensor frozen at step ``s`` is :func:`fraction_below` of its recent
+    histogram at ``log2(0.5 / lr_s) - trend * b * (log(s + 1) - log(c + 1))``, with ``b`` the
+    tensor's slope (:meth:`RatioTrend.slopes`) and ``c`` the step the recent histogram stands
+    for (1 where ``lr_s <= 0``); overall, the size-weighted mean. ``trend=0``: the histogram of
+    the last :data:`MEMORY` watched steps taken to stay as it is (the band's late edge)."""
     if watch.mode != "predict":
         raise ValueError("a forecast needs the updates of a float32 run (the watch in prediction mode); this "
                          "watch observes parameters stored in low precision")
     if not watch.steps:
         raise ValueError("nothing watched yet: call forecast after at least one optimizer step")
-    hist = watch.ratio_histogram(fmt)
+    if not trend >= 0.0:
+        raise ValueError(f"trend must be a factor >= 0 on the fitted slope, got {trend!r}")
+    hist = watch.ratio_histogram(fmt, recent=trend > 0)
+    slopes = watch.ratio_trend(fmt).slopes() if trend > 0 else [0.0] * len(watch.tracked)
+    # the recent histogram stands for about RECENT - 1 watched steps back
+    center = max(0, watch.steps[-1] - (RECENT - 1) * watch.every) if trend > 0 else watch.steps[-1]
     total = total_steps if total_steps is not None else watch.total_steps
     if total is None:
         raise ValueError("the forecast needs the run's length: give total_steps to watch() or forecast(), or a "
@@ -152,9 +230,11 @@ def forecast_curves(watch, fmt=None, total_steps: Optional[int] = None) -> Dict[
         cum[n] = (c / c[-1].clamp(min=1e-300)).tolist()
         gi = watch.param_group_of(n)
         curve = {}
+        b = trend * slopes[j]
         for s in future:
             lr = schedule[s][gi]
-            curve[s] = 1.0 if lr <= 0 else fraction_below(cum[n], math.log2(0.5 / lr))
+            shift = b * (math.log(s + 1) - math.log(center + 1)) if b else 0.0
+            curve[s] = 1.0 if lr <= 0 else fraction_below(cum[n], math.log2(0.5 / lr) - shift)
             weighted[s] += curve[s] * watch.sizes[n]
         out[n] = curve
     total_size = sum(watch.sizes[n] for n in watch.tracked)
@@ -182,12 +262,29 @@ def update_ratios(watch, fmt=None, q: float = 0.5) -> Dict[str, float]:
 def forecast(watch, fmt=None, threshold: Optional[float] = None,
              total_steps: Optional[int] = None) -> Dict[str, object]:
     """The step at which the whole model and each tensor will pass the threshold (the watch's
-    own when None): :func:`freeze_steps` over the measured points and :func:`forecast_curves`.
-    ``{"overall": step or None, "by_tensor": {name: step or None}}``."""
+    own when None), with a band: :func:`freeze_steps` over the measured points and
+    :func:`forecast_curves` with the fitted trend (the step), 1.5 times it and none (the band's
+    edges, the earlier as ``"low"``; the step always lies in it).
+    ``{"overall": step, "low": step, "high": step, "by_tensor": {name: {"step", "low", "high"}}}``,
+    each step None where the threshold is not passed within the schedule (a band edge of None:
+    not within the run)."""
     tau = watch.threshold if threshold is None else threshold
     if not 0.0 < tau <= 1.0:
         raise ValueError(f"threshold must be in (0, 1], got {tau!r}")
-    return freeze_steps(watch, watch.record(fmt), forecast_curves(watch, fmt, total_steps), tau)
+    rec = watch.record(fmt)
+    point, early, late = (freeze_steps(watch, rec, forecast_curves(watch, fmt, total_steps, trend), tau)
+                          for trend in (1.0, BAND_SLOPE, 0.0))
+
+    def banded(a, b, c) -> Dict[str, Optional[int]]:
+        inf = float("inf")
+        edges = [inf if x is None else x for x in (a, b, c)]
+        lo, hi = min(edges), max(edges)
+        return {"step": a, "low": None if lo == inf else int(lo), "high": None if hi == inf else int(hi)}
+
+    overall = banded(point["overall"], early["overall"], late["overall"])
+    return {"overall": overall["step"], "low": overall["low"], "high": overall["high"],
+            "by_tensor": {n: banded(point["by_tensor"][n], early["by_tensor"][n], late["by_tensor"][n])
+                          for n in watch.tracked}}
 
 
 def freeze_steps(watch, rec: FreezeRecord, curves: Dict[str, Dict[int, float]], tau: float) -> Dict[str, object]:

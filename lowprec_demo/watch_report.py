@@ -64,7 +64,8 @@ class WatchReport:
                 kinds.setdefault(diag["tensor"], []).append(diag["kind"])
         out = [{"tensor": "(all)", "size": sum(d["sizes"].values()), "format": f,
                 "frozen_now": rec["overall"][-1] if rec["overall"] else None, "frozen_since": since.get("overall"),
-                "forecast": None if forecast is None else forecast["overall"],
+                "forecast": None if forecast is None else {"step": forecast["overall"], "low": forecast.get("low"),
+                                                           "high": forecast.get("high")},
                 "diagnosis": ", ".join(sorted(set(kinds.get(None, []))))}]
         for n, size in d["sizes"].items():
             values = rec["by_tensor"].get(n, [])
@@ -82,15 +83,22 @@ class WatchReport:
                   f"at or above it")
         width = max(len(r["tensor"]) for r in rows)
         lines = [head, f"{'tensor':<{width}}  {'size':>11}  {'format':>6}  {'frozen now':>10}  {'since':>6}  "
-                       f"{'forecast':>8}  diagnosis"]
+                       f"{'forecast (band)':>16}  diagnosis"]
 
         def step(x):
             return "-" if x is None else str(x)
 
+        def band(x):    # a forecast: the step (low-high); a report saved before the band: the step
+            if not isinstance(x, dict):
+                return step(x)
+            edges = "" if x.get("low") is None and x.get("high") is None else \
+                f" ({step(x.get('low'))}-{'end' if x.get('high') is None else x['high']})"
+            return step(x["step"]) + edges
+
         for r in rows:
             now = "-" if r["frozen_now"] is None else f"{r['frozen_now']:.3f}"
             lines.append(f"{r['tensor']:<{width}}  {r['size']:>11,}  {r['format']:>6}  {now:>10}  "
-                         f"{step(r['frozen_since']):>6}  {step(r['forecast']) if d['mode'] == 'predict' else 'n/a':>8}  "
+                         f"{step(r['frozen_since']):>6}  {band(r['forecast']) if d['mode'] == 'predict' else 'n/a':>16}  "
                          f"{r['diagnosis']}")
         if d["diagnoses"]:
             lines.append("")

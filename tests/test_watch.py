@@ -129,6 +129,54 @@ def test_forecast_made_early_is_the_step_that_comes(kind):
     assert actual == expected and 15 < actual < steps - 5        # not a trivial case: inside the run
     assert abs(made["overall"] - actual) <= 1
     assert set(made["by_tensor"]) == {"p"}
+    assert made["low"] <= made["overall"] <= made["high"]
+    assert set(made["by_tensor"]["p"]) == {"step", "low", "high"}
+
+
+def test_ratio_trend_keeps_a_bounded_spread_of_points_and_fits_a_fall():
+    from lowprec_demo.watch_forecast import EDGES, TREND_POINTS, RatioTrend
+    trend = RatioTrend()
+    bins = len(EDGES) + 1
+    n_steps = 3 * TREND_POINTS
+    for t in range(n_steps):
+        # tensor 0: median falls one octave per e-fold of steps; tensor 1: rises; tensor 2: constant
+        h = torch.zeros(3, bins, dtype=torch.float64)
+        for j, octave in enumerate((10 - math.log(t + 1), 2 + math.log(t + 1), 5.0)):
+            h[j, 512 + int(round(octave * 8))] = 1.0       # bin i + 1 spans edges i .. i + 1
+        trend.add(t, h)
+    assert len(trend.steps) <= TREND_POINTS and trend.steps[0] == 0 and trend.steps[-1] >= n_steps - 4
+    assert len(set(b - a for a, b in zip(trend.steps, trend.steps[1:]))) == 1     # evenly spread after thinning
+    slopes = trend.slopes()
+    assert abs(slopes[0] + 1.0) < 0.05       # the fall, fitted (octaves per e-fold of steps)
+    assert slopes[1] == 0.0 and abs(slopes[2]) < 1e-9      # a rise is taken as none; a constant has none
+
+
+def test_forecast_band_holds_the_step_and_the_trend_comes_earlier_on_shrinking_steps():
+    # SGD on a fixed gradient whose size falls half an octave every e-fold of steps: the ratio shrinks, so the
+    # trend forecasts earlier than the histogram taken as it is, and the step lies in the band
+    torch.manual_seed(0)
+    steps = 400
+    g = torch.rand(4096) + 0.5
+    p = torch.nn.Parameter(torch.ones(4096))
+    model = torch.nn.Module()
+    model.p = p
+    opt = torch.optim.SGD([p], lr=0.02)
+    w = lp.watch(model, opt, scheduler=[0.02 * (1 - t / steps) for t in range(steps)], total_steps=steps,
+                 threshold=0.5)
+    for t in range(60):
+        for group in opt.param_groups:
+            group["lr"] = 0.02 * (1 - t / steps)
+        p.grad = 2 * g * 2.0 ** (-math.log(t + 1) / 2)
+        opt.step()
+        with torch.no_grad():
+            p.copy_(torch.ones(4096))     # the same stored value each step: only the update changes
+    made = w.forecast("bf16")
+    flat = lp.watch_forecast.freeze_steps(w, w.record("bf16"), w.forecast_curves("bf16", trend=0.0), 0.5)["overall"]
+    assert made["overall"] is not None and flat is not None and made["overall"] < flat
+    assert made["low"] <= made["overall"] <= made["high"] == flat
+    assert made["by_tensor"]["p"]["step"] == made["overall"]
+    with pytest.raises(ValueError, match="trend"):
+        w.forecast_curves("bf16", trend=-1.0)
 
 
 def test_forecast_refuses_what_it_cannot_know():
