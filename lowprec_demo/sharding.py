@@ -24,6 +24,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from typing import List, Optional, Sequence
 
 import torch
@@ -36,6 +37,7 @@ __all__ = ["is_sharded", "any_sharded", "local_part", "check_placements", "flat_
 ALLOWED_PLACEMENTS = ("Shard(0)", "Replicate()")
 
 
+@functools.lru_cache(maxsize=None)
 def _dtensor_types():
     try:
         from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -187,6 +189,7 @@ class ShardedSamplePlan:
         self.device = local_part(tensors[0]).device if tensors else torch.device("cpu")
         self.tensor_id = torch.repeat_interleave(torch.arange(len(tensors), dtype=torch.int32, device=self.device),
                                                  torch.tensor(self.local_counts, device=self.device))
+        self._index = self.tensor_id.long()
         self.group_size = dist.get_world_size()
 
     def _parts(self, tensors: Sequence) -> List[torch.Tensor]:
@@ -209,7 +212,7 @@ class ShardedSamplePlan:
     def per_tensor(self, values: torch.Tensor) -> torch.Tensor:
         """Per tensor, the sum of ``values`` over this process's followed elements, float64."""
         out = torch.zeros(len(self.counts), dtype=torch.float64, device=values.device)
-        return out.index_add_(0, self.tensor_id.long(), values.to(torch.float64))
+        return out.index_add_(0, self._index, values.to(torch.float64))
 
     def row_flags(self, param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         """For an embedding: 1.0 for each row of the whole table that has a gradient in this
