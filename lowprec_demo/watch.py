@@ -391,9 +391,8 @@ class FreezeWatch:
         """The memory the watch keeps from step to step: its one copy of the tracked parameters,
         the forecast's histograms and trend points and the rows-with-gradient flags."""
         tensors = ([self._before] if self._before is not None else []) + list(self._hist.values()) \
-            + list(self._recent.values()) + [m for t in self._trend.values() for m in t._medians] \
-            + list(self._rows_seen.values()) + [self._plan.tensor_id]
-        return sum(t.numel() * t.element_size() for t in tensors)
+            + list(self._recent.values()) + list(self._rows_seen.values()) + [self._plan.tensor_id]
+        return sum(t.numel() * t.element_size() for t in tensors) + sum(t.nbytes() for t in self._trend.values())
 
     # ---- attach and detach ---------------------------------------------------------------------
 
@@ -530,9 +529,8 @@ class FreezeWatch:
         forecasts, curves = {}, {}
         if self.mode == "predict" and self.steps and self.total_steps:
             for f in self.formats:
-                ahead = self.forecast_curves(f)
-                forecasts[f] = watch_forecast.forecast(self, f)
-                curves[f] = {n: {str(s): v for s, v in c.items()} for n, c in ahead.items()}
+                forecasts[f] = watch_forecast.forecast(self, f, curves=True)
+                curves[f] = {n: {str(s): v for s, v in c.items()} for n, c in forecasts[f].pop("curves").items()}
         return {"kind": "lowprec_demo.watch", "mode": self.mode, "formats": self.formats, "threshold": self.threshold,
                 "every": self.every, "total_steps": self.total_steps, "steps": self.steps, "lrs": self.lrs,
                 "sizes": {n: self.sizes[n] for n in self.tracked}, "groups": self.groups(),

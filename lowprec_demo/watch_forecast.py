@@ -38,7 +38,7 @@ import torch
 from .prediction import FreezeRecord, freeze_step
 
 __all__ = ["EDGES", "MEMORY", "RECENT", "TREND_POINTS", "BAND_SLOPE", "RatioTrend", "unwrap_scheduler", "check_schedule", "schedule_length", "lr_schedule",
-           "fraction_below", "forecast_curves", "update_ratios", "forecast", "freeze_steps"]
+           "fraction_below", "forecast_curves", "schedule_ahead", "update_ratios", "forecast", "freeze_steps"]
 
 # the forecast's histogram of log2(|d| / (lr * gap)): eighths of an octave from 2^-64 to 2^32
 EDGES = torch.arange(-64 * 8, 32 * 8 + 1, dtype=torch.float32) / 8
@@ -77,6 +77,10 @@ class RatioTrend:
         if len(self.steps) >= TREND_POINTS:
             self.steps, self._medians = self.steps[::2], self._medians[::2]
             self._stride *= 2
+
+    def nbytes(self) -> int:
+        """The memory the points take."""
+        return sum(m.numel() * m.element_size() for m in self._medians)
 
     def values(self) -> torch.Tensor:
         """The medians, ``(points, tensors)``, float32."""
@@ -195,7 +199,7 @@ def fraction_below(cum: List[float], cutoff: float) -> float:
 
 
 def forecast_curves(watch, fmt=None, total_steps: Optional[int] = None,
-                    trend: float = 1.0) -> Dict[str, Dict[int, float]]:
+                    trend: float = 1.0, schedule: Optional[Dict[int, List[float]]] = None) -> Dict[str, Dict[int, float]]:
     """The forecast frozen fraction of every tensor and ``"overall"`` at every step after the
     last watched one, to the end of the run: ``{name: {step: fraction}}`` (see
     :meth:`FreezeWatch.forecast_curves <lowprec_demo.watch.FreezeWatch.forecast_curves>`).
@@ -204,23 +208,18 @@ def forecast_curves(watch, fmt=None, total_steps: Optional[int] = None,
     histogram at ``log2(0.5 / lr_s) - trend * b * (log(s + 1) - log(c + 1))``, with ``b`` the
     tensor's slope (:meth:`RatioTrend.slopes`) and ``c`` the step the recent histogram stands
     for (1 where ``lr_s <= 0``); overall, the size-weighted mean. ``trend=0``: the histogram of
-    the last :data:`MEMORY` watched steps taken to stay as it is (the band's late edge)."""
-    if watch.mode != "predict":
-        raise ValueError("a forecast needs the updates of a float32 run (the watch in prediction mode); this "
-                         "watch observes parameters stored in low precision")
-    if not watch.steps:
-        raise ValueError("nothing watched yet: call forecast after at least one optimizer step")
+    the last :data:`MEMORY` watched steps taken to stay as it is (the band's late edge).
+    ``schedule``: the learning rates ahead as :func:`lr_schedule` gives them (computed when None;
+    :func:`forecast` computes it once for its three curves)."""
+    _check_forecast(watch)
     if not trend >= 0.0:
         raise ValueError(f"trend must be a factor >= 0 on the fitted slope, got {trend!r}")
     hist = watch.ratio_histogram(fmt, recent=trend > 0)
     slopes = watch.ratio_trend(fmt).slopes() if trend > 0 else [0.0] * len(watch.tracked)
     # the recent histogram stands for about RECENT - 1 watched steps back
     center = max(0, watch.steps[-1] - (RECENT - 1) * watch.every) if trend > 0 else watch.steps[-1]
-    total = total_steps if total_steps is not None else watch.total_steps
-    if total is None:
-        raise ValueError("the forecast needs the run's length: give total_steps to watch() or forecast(), or a "
-                         "schedule that knows it (a list of learning rates, OneCycleLR, CosineAnnealingLR)")
-    schedule = lr_schedule(watch.scheduler, watch.steps[-1], watch.lrs[-1], total)
+    if schedule is None:
+        schedule = schedule_ahead(watch, total_steps)
     future = [s for s in sorted(schedule) if s > watch.steps[-1]]
     cum = {}
     out: Dict[str, Dict[int, float]] = {}
@@ -242,6 +241,26 @@ def forecast_curves(watch, fmt=None, total_steps: Optional[int] = None,
     return out
 
 
+def _check_forecast(watch) -> None:
+    if watch.mode != "predict":
+        raise ValueError("a forecast needs the updates of a float32 run (the watch in prediction mode); this "
+                         "watch observes parameters stored in low precision")
+    if not watch.steps:
+        raise ValueError("nothing watched yet: call forecast after at least one optimizer step")
+
+
+def schedule_ahead(watch, total_steps: Optional[int] = None) -> Dict[int, List[float]]:
+    """The learning rates per param group from the last watched step to the end of the run
+    (:func:`lr_schedule` of the watch's scheduler), the run's length from ``total_steps`` or the
+    watch's."""
+    _check_forecast(watch)
+    total = total_steps if total_steps is not None else watch.total_steps
+    if total is None:
+        raise ValueError("the forecast needs the run's length: give total_steps to watch() or forecast(), or a "
+                         "schedule that knows it (a list of learning rates, OneCycleLR, CosineAnnealingLR)")
+    return lr_schedule(watch.scheduler, watch.steps[-1], watch.lrs[-1], total)
+
+
 def update_ratios(watch, fmt=None, q: float = 0.5) -> Dict[str, float]:
     """Per tensor, the ``q`` quantile of ``|d| / (lr gap)`` in the watch's histogram: the upper
     edge ``2^EDGES[i]`` of the bin where the cumulative fraction reaches ``q`` (0 in the first
@@ -260,20 +279,22 @@ def update_ratios(watch, fmt=None, q: float = 0.5) -> Dict[str, float]:
 
 
 def forecast(watch, fmt=None, threshold: Optional[float] = None,
-             total_steps: Optional[int] = None) -> Dict[str, object]:
+             total_steps: Optional[int] = None, curves: bool = False) -> Dict[str, object]:
     """The step at which the whole model and each tensor will pass the threshold (the watch's
     own when None), with a band: :func:`freeze_steps` over the measured points and
     :func:`forecast_curves` with the fitted trend (the step), 1.5 times it and none (the band's
     edges, the earlier as ``"low"``; the step always lies in it).
     ``{"overall": step, "low": step, "high": step, "by_tensor": {name: {"step", "low", "high"}}}``,
     each step None where the threshold is not passed within the schedule (a band edge of None:
-    not within the run)."""
+    not within the run). ``curves=True`` adds ``"curves"``: the forecast curves with the fitted
+    trend, those of :func:`forecast_curves` (the schedule ahead is computed once for all)."""
     tau = watch.threshold if threshold is None else threshold
     if not 0.0 < tau <= 1.0:
         raise ValueError(f"threshold must be in (0, 1], got {tau!r}")
     rec = watch.record(fmt)
-    point, early, late = (freeze_steps(watch, rec, forecast_curves(watch, fmt, total_steps, trend), tau)
-                          for trend in (1.0, BAND_SLOPE, 0.0))
+    schedule = schedule_ahead(watch, total_steps)
+    ahead = [forecast_curves(watch, fmt, total_steps, trend, schedule) for trend in (1.0, BAND_SLOPE, 0.0)]
+    point, early, late = (freeze_steps(watch, rec, c, tau) for c in ahead)
 
     def banded(a, b, c) -> Dict[str, Optional[int]]:
         inf = float("inf")
@@ -282,9 +303,12 @@ def forecast(watch, fmt=None, threshold: Optional[float] = None,
         return {"step": a, "low": None if lo == inf else int(lo), "high": None if hi == inf else int(hi)}
 
     overall = banded(point["overall"], early["overall"], late["overall"])
-    return {"overall": overall["step"], "low": overall["low"], "high": overall["high"],
-            "by_tensor": {n: banded(point["by_tensor"][n], early["by_tensor"][n], late["by_tensor"][n])
-                          for n in watch.tracked}}
+    out = {"overall": overall["step"], "low": overall["low"], "high": overall["high"],
+           "by_tensor": {n: banded(point["by_tensor"][n], early["by_tensor"][n], late["by_tensor"][n])
+                         for n in watch.tracked}}
+    if curves:
+        out["curves"] = ahead[0]
+    return out
 
 
 def freeze_steps(watch, rec: FreezeRecord, curves: Dict[str, Dict[int, float]], tau: float) -> Dict[str, object]:
