@@ -23,7 +23,7 @@ Example:
 import torch
 
 from .formats import FORMAT_NAMES, FloatFormat, format_table, get_format
-from .optimizer import LowPrecisionOptimizer, bytes_per_parameter, select_params
+from .optimizer import LowPrecisionOptimizer, attach_plan, bytes_per_parameter, select_params
 from .agreement import mask_mismatch, stratified_chance_mismatch
 from .prediction import (FreezeObserver, FreezePredictor, FreezeRecord, freeze_order, freeze_step,
                          steps_agree)
@@ -34,6 +34,7 @@ from .results import TrainResult, evidence_table, load_result, stored_results
 from .training import Task, train_formats, train_variants
 from .experiments import experiment_names, make_config, run_experiment, run_formats, sweep
 from .watch import Diagnosis, FreezeWatch, load_watch, watch
+from .freeze_plan import FreezePlan, load_plan
 from .remedies import RemedyComparison, compare_remedies
 from .version import __version__
 
@@ -48,5 +49,5 @@ __all__ = [
     "load_result", "stored_results",
     "experiment_names", "make_config", "run_experiment", "sweep",
     "scale", "by_scale", "pick_device", "seed_everything", "progress_bar",
-    "watch", "FreezeWatch", "Diagnosis", "load_watch", "compare_remedies", "RemedyComparison", "bytes_per_parameter",
+    "watch", "FreezeWatch", "Diagnosis", "load_watch", "FreezePlan", "load_plan", "attach_plan", "compare_remedies", "RemedyComparison", "bytes_per_parameter",
 ]

@@ -18,7 +18,8 @@ from .formats import get_format
 
 __all__ = ["TrainConfig", "lr_factor", "VARIANTS", "OPTIMIZERS", "SCHEDULES", "PARALLEL"]
 
-VARIANTS = ("reference", "nearest", "stochastic", "kahan", "kahan_lp", "master", "nearest_state", "stochastic_state")
+VARIANTS = ("reference", "nearest", "stochastic", "kahan", "kahan_lp", "master", "nearest_state", "stochastic_state",
+            "plan")
 OPTIMIZERS = ("sgd", "adamw", "adam")
 SCHEDULES = ("constant", "cosine", "wsd", "step")
 PARALLEL = ("ddp", "fsdp")     # under torchrun: replicas (DistributedDataParallel) or shards (FSDP2's fully_shard)
@@ -37,7 +38,10 @@ class TrainConfig:
     rounding's random bits (None: ``seed + 1``), so that SR can be drawn again on the same problem
     and initialisation. ``parallel`` says how several processes under ``torchrun`` share the
     model: ``"ddp"`` (a replica each) or ``"fsdp"`` (FSDP2, each process a shard of every
-    parameter); one process ignores it.
+    parameter); one process ignores it. The ``"plan"`` variant stores each tensor with the remedy
+    of a :class:`~lowprec_demo.freeze_plan.FreezePlan` made by a freeze watch on the reference run
+    after ``plan_after`` of its steps (a fraction of the run), within ``plan_budget`` extra bytes
+    per parameter.
     """
 
     format: str = "bf16"
@@ -65,6 +69,8 @@ class TrainConfig:
     reference_dtype: str = "float32"
     device: str = "auto"
     parallel: str = "ddp"
+    plan_after: float = 0.25
+    plan_budget: float = 1.0
     options: Dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -95,6 +101,13 @@ class TrainConfig:
             raise ValueError(f"step_gamma must be in (0, 1], got {self.step_gamma!r}")
         if any(not 0 < m < 1 for m in self.step_milestones):
             raise ValueError(f"step_milestones are fractions of the run in (0, 1), got {list(self.step_milestones)}")
+        if not (isinstance(self.plan_after, (int, float)) and 0 < self.plan_after < 1):
+            raise ValueError(f"plan_after is the fraction of the run watched before the plan is made, in (0, 1); "
+                             f"got {self.plan_after!r}")
+        if isinstance(self.plan_budget, bool) or not isinstance(self.plan_budget, (int, float)) or self.plan_budget < 0:
+            raise ValueError(f"plan_budget is extra bytes per parameter, >= 0; got {self.plan_budget!r}")
+        if "plan" in self.variants and self.lowprec_params != "all":
+            raise ValueError("the plan variant plans every parameter: use it with lowprec_params='all'")
         if self.sr_seed is not None and (isinstance(self.sr_seed, bool) or not isinstance(self.sr_seed, int)
                                          or self.sr_seed < 0):
             raise ValueError(f"sr_seed must be None or a non-negative integer, got {self.sr_seed!r}")

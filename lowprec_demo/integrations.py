@@ -17,12 +17,21 @@ to the trainer's logs, and detaches when training ends, saving the report (by de
 ``freeze_watch.json`` in the trainer's output or log folder). The watch is ``callback.watch``.
 The packages are optional: each function raises ImportError naming the package when it is
 missing.
+
+With ``plan_after=k`` either callback also acts on what the watch saw: after k optimizer steps
+of the float32 run it makes a :class:`~lowprec_demo.freeze_plan.FreezePlan` (``plan_format``,
+the watch's first format by default; ``plan_budget`` extra bytes per parameter), saves it
+(``freeze_plan.json`` beside the report), applies it to the trainer's optimizer with
+:func:`~lowprec_demo.optimizer.attach_plan` (from step k on, every tensor is stored in that
+format with its remedy) and saves the watch's report and detaches the watch, whose prediction
+ends there (``callback.plan`` and ``callback.plan_optimizer`` hold the plan and what applies it).
 """
 
 from __future__ import annotations
 
 import os
 
+from .optimizer import attach_plan
 from .watch import watch
 
 __all__ = ["hf_callback", "lightning_callback"]
@@ -34,14 +43,47 @@ def _log_values(w) -> dict:
     return {f"frozen_{f}": w.records[f].overall[-1] for f in w.formats}
 
 
-def hf_callback(path=None, **watch_options):
+def _check_plan_options(plan_after, plan_budget) -> None:
+    if plan_after is not None and (isinstance(plan_after, bool) or not isinstance(plan_after, int) or plan_after < 1):
+        raise ValueError(f"plan_after is a number of optimizer steps >= 1 (or None: no plan), got {plan_after!r}")
+    if isinstance(plan_budget, bool) or not isinstance(plan_budget, (int, float)) or plan_budget < 0:
+        raise ValueError(f"plan_budget is extra bytes per parameter, >= 0; got {plan_budget!r}")
+
+
+class _Planner:
+    """What both callbacks do at ``plan_after``: plan, save, apply, stop watching."""
+
+    def __init__(self, plan_after, plan_format, plan_budget, plan_path) -> None:
+        _check_plan_options(plan_after, plan_budget)
+        self.after, self.format, self.budget, self.path = plan_after, plan_format, plan_budget, plan_path
+        self.plan = self.plan_optimizer = None
+
+    def maybe_apply(self, w, steps_done: int, model, report_path) -> None:
+        if self.after is None or self.plan is not None or w is None or steps_done < self.after:
+            return
+        self.plan = w.plan(self.format, budget=self.budget)
+        target = self.path if self.path is not None else os.path.join(os.path.dirname(os.path.abspath(report_path)),
+                                                                      "freeze_plan.json")
+        self.plan.save(target)
+        # the torch optimizer the watch found inside the trainer's wrapper (accelerate's, Lightning's)
+        self.plan_optimizer = attach_plan(w.optimizer, self.plan, model=model)
+        w.save(report_path)
+        w.detach()
+
+
+def hf_callback(path=None, plan_after=None, plan_format=None, plan_budget=1.0, plan_path=None, **watch_options):
     """A ``transformers.TrainerCallback`` that runs a freeze watch over the Trainer's training.
 
     Args:
         path: where to save the report (default ``freeze_watch.json`` in ``args.output_dir``).
+        plan_after: make and apply a freeze plan after this many optimizer steps (see the module
+            docstring); None: watch only.
+        plan_format, plan_budget, plan_path: the plan's format (the watch's first), extra bytes
+            per parameter, and file (``freeze_plan.json`` beside the report).
         **watch_options: passed to :func:`lowprec_demo.watch` (``formats``, ``every``,
             ``threshold``, ``writer``, ...).
     """
+    planner = _Planner(plan_after, plan_format, plan_budget, plan_path)
     try:
         from transformers import TrainerCallback
     except ImportError as error:
@@ -52,11 +94,25 @@ def hf_callback(path=None, **watch_options):
 
         def __init__(self) -> None:
             self.watch = None
+            self.target = None
+
+        @property
+        def plan(self):
+            return planner.plan
+
+        @property
+        def plan_optimizer(self):
+            return planner.plan_optimizer
 
         def on_train_begin(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs):
-            target = path if path is not None else os.path.join(args.output_dir, "freeze_watch.json")
+            self.target = path if path is not None else os.path.join(args.output_dir, "freeze_watch.json")
             self.watch = watch(model, optimizer, scheduler=lr_scheduler, total_steps=state.max_steps or None,
-                               path=target, **watch_options)
+                               path=self.target, **watch_options)
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            if planner.plan is None and planner.after is not None and state.global_step >= planner.after:
+                planner.maybe_apply(self.watch, state.global_step, model, self.target)
+                self.watch = None
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs is not None:
@@ -69,15 +125,19 @@ def hf_callback(path=None, **watch_options):
     return FreezeWatchCallback()
 
 
-def lightning_callback(path=None, **watch_options):
+def lightning_callback(path=None, plan_after=None, plan_format=None, plan_budget=1.0, plan_path=None,
+                       **watch_options):
     """A Lightning ``Callback`` (``lightning`` or ``pytorch_lightning``) that runs a freeze watch
     over ``trainer.fit``, on the first optimizer and its scheduler.
 
     Args:
         path: where to save the report (default ``freeze_watch.json`` in ``trainer.log_dir``,
             or the working directory).
+        plan_after, plan_format, plan_budget, plan_path: a freeze plan after this many optimizer
+            steps, as for :func:`hf_callback`.
         **watch_options: passed to :func:`lowprec_demo.watch`.
     """
+    planner = _Planner(plan_after, plan_format, plan_budget, plan_path)
     try:
         import lightning.pytorch as pl
     except ImportError:
@@ -91,6 +151,15 @@ def lightning_callback(path=None, **watch_options):
 
         def __init__(self) -> None:
             self.watch = None
+            self.target = None
+
+        @property
+        def plan(self):
+            return planner.plan
+
+        @property
+        def plan_optimizer(self):
+            return planner.plan_optimizer
 
         def on_train_start(self, trainer, pl_module):
             if not trainer.optimizers:
@@ -99,11 +168,15 @@ def lightning_callback(path=None, **watch_options):
             scheduler = configs[0].scheduler if configs and configs[0].interval == "step" else None
             total = trainer.estimated_stepping_batches
             total = int(total) if total is not None and total != float("inf") else None
-            target = path if path is not None else os.path.join(trainer.log_dir or os.getcwd(), "freeze_watch.json")
-            self.watch = watch(pl_module, trainer.optimizers[0], scheduler=scheduler, total_steps=total, path=target,
-                               **watch_options)
+            self.target = path if path is not None else os.path.join(trainer.log_dir or os.getcwd(),
+                                                                     "freeze_watch.json")
+            self.watch = watch(pl_module, trainer.optimizers[0], scheduler=scheduler, total_steps=total,
+                               path=self.target, **watch_options)
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if planner.plan is None and planner.after is not None and trainer.global_step >= planner.after:
+                planner.maybe_apply(self.watch, trainer.global_step, pl_module, self.target)
+                self.watch = None
             values = _log_values(self.watch)
             if values and trainer.logger is not None:
                 pl_module.log_dict(values, on_step=True, on_epoch=False, prog_bar=False, logger=True)

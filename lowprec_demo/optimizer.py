@@ -45,9 +45,11 @@ import torch
 from . import kernels, sharding
 from .packing import packs
 from .formats import FloatFormat, check_overflow_policy, get_format
+from .freeze_plan import FreezePlan, resolve_plan
 from .rounding import ROUNDING_MODES, GeneratorLike, quantize, quantize_
 
-__all__ = ["LowPrecisionOptimizer", "select_params", "bytes_per_parameter", "PARAM_SELECTIONS", "COMPENSATIONS"]
+__all__ = ["LowPrecisionOptimizer", "select_params", "bytes_per_parameter", "attach_plan", "PARAM_SELECTIONS",
+           "COMPENSATIONS"]
 
 PARAM_SELECTIONS = ("all", "matrices")
 COMPENSATIONS = (None, "kahan")
@@ -105,9 +107,10 @@ def bytes_per_parameter(optimizer: torch.optim.Optimizer) -> dict:
             n, low = p.numel(), id(p) in chosen
             count += n
             totals["weights"] += n * (wrapper.fmt.bits / 8 if low else p.element_size())
-            if low and wrapper.master_weights:
+            remedy = wrapper.remedy_of(p) if low else None
+            if remedy == "master":
                 totals["master"] += n * 4
-            if low and wrapper.compensation == "kahan":
+            if remedy == "kahan":
                 fmt = wrapper.compensation_format
                 totals["compensation"] += n * (fmt.bits / 8 if fmt is not None else p.element_size())
             for value in inner.state.get(p, {}).values():
@@ -142,6 +145,14 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         overflow: override the format's overflow policy.
         round_initial: round the selected parameters onto the grid now (default True), so the
             stored weights are low-precision from the first forward pass.
+        plan: a :class:`~lowprec_demo.freeze_plan.FreezePlan` (``watch.plan(fmt)``): each tensor it
+            names is stored with its own remedy (``"nearest"``, ``"stochastic"``, ``"kahan"`` with
+            the plan's buffer format, ``"master"``); the parameters it does not name stay in full
+            precision. Leave ``rounding``, ``compensation``, ``compensation_format``,
+            ``master_weights`` and ``params`` at their defaults: the plan chooses them.
+        model: with ``plan``, the model whose ``named_parameters()`` give the plan's names; without
+            it the plan finds its tensors by their recorded positions among the optimizer's
+            parameters (each checked against its recorded shape).
 
     LR schedulers, ``zero_grad``, ``add_param_group`` and ``state_dict``/``load_state_dict``
     behave as for the inner optimizer; ``param_groups`` and ``state`` are the inner optimizer's.
@@ -159,9 +170,24 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
                  state_format: Union[str, FloatFormat, None] = None, state_rounding: str = "nearest",
                  compensation: Optional[str] = None, overflow: Optional[str] = None,
                  round_initial: bool = True, compensation_format: Union[str, FloatFormat, None] = None,
-                 master_weights: bool = False) -> None:
+                 master_weights: bool = False, plan: Optional[FreezePlan] = None,
+                 model: Optional[torch.nn.Module] = None) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if plan is not None:
+            if not isinstance(plan, FreezePlan):
+                raise TypeError(f"plan must be a FreezePlan (watch.plan(fmt) or load_plan(path)), got {type(plan).__name__}")
+            chosen = {"rounding": rounding != "nearest", "compensation": compensation is not None,
+                      "compensation_format": compensation_format is not None, "master_weights": master_weights is True,
+                      "params": not (isinstance(params, str) and params == "all")}
+            given = [k for k, v in chosen.items() if v]
+            if given:
+                raise ValueError(f"plan= chooses the remedy of every tensor it names; leave {', '.join(given)} at "
+                                 f"the default")
+            if get_format(fmt).name != plan.format:
+                raise ValueError(f"the plan is for {plan.format}; this optimizer stores {get_format(fmt).name}")
+        elif model is not None:
+            raise ValueError("model= tells a plan's names; give plan= too")
         for name, value in (("rounding", rounding), ("state_rounding", state_rounding)):
             if value not in ROUNDING_MODES:
                 raise ValueError(f"{name} must be one of {', '.join(ROUNDING_MODES)}; got {value!r}")
@@ -190,18 +216,27 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         self.generator = generator
         self.rand_bits = rand_bits
         self.compensation = compensation
-        self.compensation_format = None if compensation_format is None else get_format(compensation_format)
         self.master_weights = master_weights
         self._selection = params
         all_params = [p for group in optimizer.param_groups for p in group["params"]]
-        self.lowprec_params = select_params(all_params, params)
+        self.plan = plan
+        if plan is not None:
+            by_id = resolve_plan(plan, all_params, model)
+            self.lowprec_params = [p for p in all_params if id(p) in by_id]
+            self._remedy = {p: by_id[id(p)] for p in self.lowprec_params}
+            self.compensation_format = None if plan.kahan_format is None else get_format(plan.kahan_format)
+        else:
+            self.lowprec_params = select_params(all_params, params)
+            single = "master" if master_weights else "kahan" if compensation == "kahan" else rounding
+            self._remedy = {p: single for p in self.lowprec_params}
+            self.compensation_format = None if compensation_format is None else get_format(compensation_format)
         for p in self.lowprec_params:
             if p.dtype not in (torch.float32, torch.float64):
                 raise TypeError(f"low-precision parameters are simulated in float32 or float64; got {p.dtype}")
             sharding.check_placements(p)    # FSDP2's Shard(0) (and Replicate) only
         self._compensation_buffers: dict = {}
         # the float32 (or float64) values before any rounding: what the optimizer steps
-        self._masters: dict = {p: p.detach().clone() for p in self.lowprec_params} if master_weights else {}
+        self._masters: dict = {p: p.detach().clone() for p in self.params_with("master")}
 
         # Share the inner optimizer's bookkeeping, so schedulers and hooks see one object.
         self.defaults = optimizer.defaults
@@ -217,6 +252,18 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
             self.round_params()
 
     # ------------------------------------------------------------------------------------------
+    def remedy_of(self, param: torch.Tensor) -> Optional[str]:
+        """How ``param`` is stored: ``"nearest"``, ``"stochastic"``, ``"kahan"`` or ``"master"``;
+        None for a parameter kept in full precision."""
+        return self._remedy.get(param)
+
+    def params_with(self, remedy: str) -> list:
+        """The low-precision parameters stored with ``remedy``, in the optimizer's order."""
+        cache = self.__dict__.setdefault("_by_remedy", {})
+        if remedy not in cache:
+            cache[remedy] = [p for p in self.lowprec_params if self._remedy[p] == remedy]
+        return cache[remedy]
+
     def _round(self, t: torch.Tensor, fmt: FloatFormat, rounding: str) -> torch.Tensor:
         return quantize(t, fmt, rounding, generator=self.generator, rand_bits=self.rand_bits,
                         overflow=self.overflow if fmt is self.fmt else None)
@@ -254,7 +301,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         chosen = {id(t) for t in fast}
         plan = [([t], None) for t in tensors if id(t) not in chosen]
         plan += [([fast[i] for i in pack.indices], pack) for pack in packs(fast)]
-        if len(cache) >= 4:
+        if len(cache) >= 8:
             cache.clear()
         cache[key] = plan
         return plan
@@ -285,18 +332,29 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         """One step of the inner optimizer, then store the selected parameters in low precision.
         Step hooks registered on this optimizer run before and after the whole step, rounding
         included."""
-        local = sharding.local_part    # (a sharded parameter's own piece; a plain tensor itself)
-        if self.master_weights:   # the step starts from the master copy (gradients are the rounded weights')
-            for p in self.lowprec_params:
-                local(p).copy_(local(self._masters[p]))
+        self._before_inner()
         loss = self.optimizer.step(closure)
-        if self.master_weights:
-            for p in self.lowprec_params:
+        self._after_inner()
+        return loss
+
+    def _before_inner(self) -> None:
+        """What precedes the inner optimizer's step: the master copies go into the parameters."""
+        local = sharding.local_part    # (a sharded parameter's own piece; a plain tensor itself)
+        for p in self.params_with("master"):   # the step starts from the master copy (gradients are the rounded weights')
+            local(p).copy_(local(self._masters[p]))
+
+    def _after_inner(self) -> None:
+        """What follows the inner optimizer's step: every low-precision parameter stored with its
+        remedy, then the state on its grid."""
+        local = sharding.local_part
+        masters, kahan = self.params_with("master"), self.params_with("kahan")
+        if masters:
+            for p in masters:
                 local(self._masters[p]).copy_(local(p))
-            self._store(self.lowprec_params, self.fmt, "nearest")
-        elif self.compensation == "kahan":
+            self._store(masters, self.fmt, "nearest")
+        if kahan:
             self.prepare_buffers()
-            for param in self.lowprec_params:
+            for param in kahan:
                 p, buf = local(param), local(self._compensation_buffers[param])
                 target = p + buf                     # what the weight should be, residual included
                 stored = quantize(target, self.fmt, overflow=self.overflow)
@@ -305,8 +363,10 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
                     residual = quantize(residual, self.compensation_format)
                 buf.copy_(residual)
                 p.copy_(stored)
-        else:
-            self._store(self.lowprec_params, self.fmt, self.rounding)
+        for rounding in ROUNDING_MODES:
+            chosen = self.params_with(rounding)
+            if chosen:
+                self._store(chosen, self.fmt, rounding)
         if self.state_format is not None:
             states = []
             for p in self.lowprec_params:
@@ -314,14 +374,12 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
                     if torch.is_tensor(value) and value.is_floating_point() and value.shape == p.shape:
                         states.append(value)
             self._store(states, self.state_format, self.state_rounding)
-        return loss
 
     def prepare_buffers(self) -> None:
         """Make the Kahan compensation buffers (zeros) that the first step would make."""
-        if self.compensation == "kahan":
-            for p in self.lowprec_params:
-                if p not in self._compensation_buffers:
-                    self._compensation_buffers[p] = torch.zeros_like(p)
+        for p in self.params_with("kahan"):
+            if p not in self._compensation_buffers:
+                self._compensation_buffers[p] = torch.zeros_like(p)
 
     @torch.no_grad()
     def prepare_state(self) -> None:
@@ -363,9 +421,15 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict) -> None:
         """Add a parameter group to the inner optimizer; its parameters are selected as at
         construction and rounded onto the grid."""
+        if self.plan is not None:
+            raise ValueError("a FreezePlan names the tensors it was made for: make the plan with every param group "
+                             "in the optimizer, then wrap it")
         self.optimizer.add_param_group(param_group)
         new = select_params(self.optimizer.param_groups[-1]["params"], self._selection)
         self.lowprec_params.extend(new)
+        single = "master" if self.master_weights else "kahan" if self.compensation == "kahan" else self.rounding
+        self._remedy.update({p: single for p in new})
+        self.__dict__.pop("_by_remedy", None)
         if self.master_weights:
             self._masters.update({p: p.detach().clone() for p in new})
         with torch.no_grad():
@@ -392,6 +456,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
             "compensation_format": None if self.compensation_format is None else self.compensation_format.name,
             "compensation_buffers": {index[id(p)]: b.clone() for p, b in self._compensation_buffers.items()},
             "master_weights": {index[id(p)]: b.clone() for p, b in self._masters.items()},
+            "plan": None if self.plan is None else {index[id(p)]: r for p, r in self._remedy.items()},
             "generator_state": gen.get_state() if isinstance(gen, torch.Generator) else None,
         }
         return state
@@ -409,7 +474,13 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         if (saved["exp_bits"], saved["man_bits"], saved["kind"]) != (
                 self.fmt.exp_bits, self.fmt.man_bits, self.fmt.kind):
             raise ValueError(f"state dict was saved for format {saved['name']}, this optimizer uses {self.fmt.name}")
-        _, order = self._param_index()
+        index, order = self._param_index()
+        mine = None if self.plan is None else {index[id(p)]: r for p, r in self._remedy.items()}
+        theirs = extra.get("plan")
+        theirs = None if theirs is None else {int(i): r for i, r in theirs.items()}
+        if theirs != mine:
+            raise ValueError("the state dict was saved with a different freeze plan (or with none): build this "
+                             "optimizer with the plan it was saved with")
         self._compensation_buffers = {
             order[int(i)]: b.to(device=order[int(i)].device, dtype=order[int(i)].dtype).clone()
             for i, b in extra.get("compensation_buffers", {}).items()
@@ -428,5 +499,49 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         if self.master_weights:
             extra += ", master_weights=True"
         state = f", state_format={self.state_format.name!r}" if self.state_format else ""
+        if self.plan is not None:
+            counts = {r: len(self.params_with(r)) for r in ("nearest", "stochastic", "kahan", "master")}
+            extra += ", plan=" + "/".join(f"{r} {c}" for r, c in counts.items() if c)
         return (f"LowPrecisionOptimizer({self.optimizer.__class__.__name__}, fmt={self.fmt.name!r}, "
                 f"rounding={self.rounding!r}, params={len(self.lowprec_params)} tensors{state}{extra})")
+
+
+def attach_plan(optimizer: torch.optim.Optimizer, plan: FreezePlan, model: Optional[torch.nn.Module] = None,
+                generator: GeneratorLike = None) -> LowPrecisionOptimizer:
+    """Apply ``plan`` to an optimizer that a training loop keeps stepping itself (a Trainer's):
+    the tensors it names are rounded onto the plan's grid now, and from then on every
+    ``optimizer.step()`` stores them with their remedies, through the optimizer's step hooks.
+    Returns the :class:`LowPrecisionOptimizer` that does it (for :func:`bytes_per_parameter` and
+    ``state_dict``; do not step it as well); ``detach_plan()`` on it removes the hooks.
+
+    Example:
+        >>> from lowprec_demo.freeze_plan import FreezePlan
+        >>> lin = torch.nn.Linear(2, 1)
+        >>> opt = torch.optim.SGD(lin.parameters(), lr=1e-3)
+        >>> lp_opt = attach_plan(opt, FreezePlan("bf16", {"weight": "master", "bias": "nearest"}), model=lin)
+        >>> lp_opt.remedy_of(lin.weight)
+        'master'
+    """
+    if isinstance(optimizer, LowPrecisionOptimizer):
+        raise TypeError("attach_plan takes the plain optimizer the loop steps; this one is a LowPrecisionOptimizer "
+                        "already")
+    wrapper = LowPrecisionOptimizer(optimizer, plan.format if isinstance(plan, FreezePlan) else "bf16",
+                                    generator=generator, plan=plan, model=model)
+
+    def before(opt, args, kwargs):
+        with torch.no_grad():
+            wrapper._before_inner()
+
+    def after(opt, args, kwargs):
+        with torch.no_grad():
+            wrapper._after_inner()
+
+    handles = [optimizer.register_step_pre_hook(before), optimizer.register_step_post_hook(after)]
+
+    def detach_plan() -> None:
+        for h in handles:
+            h.remove()
+        handles.clear()
+
+    wrapper.detach_plan = detach_plan
+    return wrapper

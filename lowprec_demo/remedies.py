@@ -11,6 +11,8 @@ experiment's format:
   (as torch-optimi keeps it in bf16);
 * ``master``: float32 master weights, the forward pass on the format's grid (mixed precision);
 * ``nearest_state`` and ``stochastic_state``: Adam's moments on the format's grid too;
+* ``plan``: a remedy only where the freeze watch on the reference run, after a quarter of it,
+  says one is needed (:class:`~lowprec_demo.freeze_plan.FreezePlan`);
 * ``floor``: round to nearest with the schedule's floor raised to ``floor_factor`` times the
   learning-rate factor at the predicted freeze step (capped at the peak).
 
@@ -33,10 +35,11 @@ from typing import Dict, List, Optional, Sequence
 
 from .config import VARIANTS, lr_factor
 from .experiments import get_experiment, make_config
+from .freeze_plan import FreezePlan
 from .prediction import freeze_step
 from .results import TrainResult
 from .rounding import decay_rounds_back
-from .training import train_variants
+from .training import train_plan, train_variants
 
 __all__ = ["compare_remedies", "RemedyComparison", "REMEDIES", "REMEDY_LABELS", "BENCH_VARIANT"]
 
@@ -46,6 +49,7 @@ REMEDY_LABELS = {
     "kahan": "Kahan, fp32 buffer", "kahan_lp": "Kahan, buffer in the format", "master": "fp32 master weights",
     "nearest_state": "nearest, Adam state in the format", "stochastic_state": "SR, Adam state in the format",
     "floor": "nearest, lr floor",
+    "plan": "freeze plan",
 }
 # the benchmark variant whose step a remedy takes, where its name differs (the remedies of
 # REMEDIES have a benchmark variant of their own name; few-bit SR takes the stochastic kernel)
@@ -78,6 +82,19 @@ class RemedyComparison:
     @property
     def threshold(self) -> float:
         return self.main.config.threshold
+
+    def plan(self) -> "FreezePlan":
+        """The freeze plan the reference run's watch made for the ``plan`` variant."""
+        if self.main.runs["reference"].plan is None:
+            raise ValueError("this comparison has no plan variant: include 'plan' in remedies")
+        return FreezePlan.from_dict(self.main.runs["reference"].plan)
+
+    def plan_gap(self, plan: "FreezePlan") -> float:
+        """The final loss minus the reference's of the plan variant trained with ``plan`` instead
+        of the one the watch made (a control), from the same initialisation and batches."""
+        config = self.main.config
+        record = train_plan(get_experiment(self.main.experiment).build(config), config, plan)
+        return float(record.final_eval[self.metric]) - self.reference_loss
 
     def final(self, result: TrainResult, variant: str) -> float:
         return float(result.runs[variant].final_eval[self.metric])
@@ -152,6 +169,10 @@ class RemedyComparison:
             if name in main.runs:
                 said = "second moment cannot decay" if self.state_freezes() else "second moment can decay"
                 add(name, main, name, said if name == "nearest_state" else "unbiased: decays on average", "")
+        if "plan" in main.runs:
+            plan = self.plan()
+            counts = ", ".join(f"{r} {e / sum(plan.sizes.values()):.0%}" for r, (t, e) in plan.counts().items() if t)
+            add("plan", main, "plan", f"made at step {plan.step}: {counts} of the elements", "")
         if self.floor is not None:
             pf = max(self.floor.prediction.overall)
             of = max(self.floor.runs["nearest"].frozen.overall)

@@ -55,6 +55,7 @@ class RunRecord:
     frozen: Optional[FreezeRecord] = None               # observed, low-precision variants only
     seconds: float = 0.0
     bytes_per_param: dict = field(default_factory=dict)   # optimizer.bytes_per_parameter at the end
+    plan: Optional[dict] = None                          # the reference's freeze plan (FreezePlan.to_dict)
 
     @property
     def final_eval(self) -> dict:
@@ -64,6 +65,8 @@ class RunRecord:
         d = {"loss": self.loss, "lr": self.lr, "evals": self.evals, "seconds": self.seconds}
         if self.bytes_per_param:
             d["bytes_per_param"] = self.bytes_per_param
+        if self.plan is not None:
+            d["plan"] = self.plan
         if self.frozen is not None:
             d["frozen_observed"] = self.frozen.overall
             d["frozen_observed_record"] = _thin(self.frozen.to_dict(), max_points)
@@ -72,7 +75,7 @@ class RunRecord:
     @classmethod
     def from_dict(cls, variant: str, d: dict) -> "RunRecord":
         rec = cls(variant=variant, loss=d.get("loss", []), lr=d.get("lr", []), evals=d.get("evals", []),
-                  seconds=d.get("seconds", 0.0), bytes_per_param=d.get("bytes_per_param", {}))
+                  seconds=d.get("seconds", 0.0), bytes_per_param=d.get("bytes_per_param", {}), plan=d.get("plan"))
         if "frozen_observed_record" in d:
             rec.frozen = FreezeRecord.from_dict(d["frozen_observed_record"])
         return rec

@@ -58,13 +58,15 @@ from .config import VARIANTS, TrainConfig, lr_factor
 from .distributed import (DataParallel, Distributed, init_distributed, mean_over_ranks, replicas_identical, shard_model,
                           whole_tensors)
 from .formats import get_format
+from .freeze_plan import FreezePlan
 from .optimizer import LowPrecisionOptimizer, bytes_per_parameter, select_params
 from .agreement import mask_mismatch, stratified_chance_mismatch
 from .prediction import FreezeObserver, FreezePredictor
 from .results import RunRecord, TrainResult, provenance
 from .runtime import pick_device, progress_bar
+from .watch import FreezeWatch
 
-__all__ = ["Task", "train_variants", "train_formats", "Variants", "variant_wrapper", "fit_steps"]
+__all__ = ["Task", "train_variants", "train_formats", "train_plan", "plan_step", "Variants", "variant_wrapper", "fit_steps"]
 
 
 def variant_wrapper(variant: str, fmt: str) -> dict:
@@ -85,6 +87,7 @@ def variant_wrapper(variant: str, fmt: str) -> dict:
         "master": {"master_weights": True},
         "nearest_state": {"state_format": fmt},
         "stochastic_state": {"rounding": "stochastic", "state_format": fmt, "state_rounding": "stochastic"},
+        "plan": {},     # the plan itself comes from the reference run (see train_variants)
     }
     if variant not in wrappers:
         raise ValueError(f"variant must be one of {', '.join(wrappers)}; got {variant!r}")
@@ -140,9 +143,12 @@ def lowprec_named_params(model: torch.nn.Module, config: TrainConfig) -> Dict[st
 # ------------------------------------------------------------------------------------------------
 def _run_steps(variant: str, model: torch.nn.Module, task: Task, config: TrainConfig, device: str,
                predictor_formats: Sequence[str], progress: bool, dist_info: Distributed = Distributed(),
-               keep_masks: bool = False, position: Optional[int] = None):
+               keep_masks: bool = False, position: Optional[int] = None, plan: Optional[FreezePlan] = None,
+               plan_at: Optional[int] = None):
     """One variant's run, as a generator: yields its tracker after every step (masks included
-    with ``keep_masks``) and returns ``(record, predictor, model)``."""
+    with ``keep_masks``) and returns ``(record, predictor, model)``. The reference with
+    ``plan_at=k``: a freeze watch makes a plan after step k - 1 (``record.plan``); the ``"plan"``
+    variant stores its weights with ``plan``."""
     dtype = torch.float64 if (variant == "reference" and config.reference_dtype == "float64") else torch.float32
     model = model.to(device=device, dtype=dtype)
     net = model
@@ -163,11 +169,20 @@ def _run_steps(variant: str, model: torch.nn.Module, task: Task, config: TrainCo
         # the same seed on every process: stochastic rounding draws the same bits everywhere,
         # so data-parallel replicas stay bit-identical
         gen = torch.Generator().manual_seed(config.seed + 1 if config.sr_seed is None else config.sr_seed)
-        opt = LowPrecisionOptimizer(opt, config.format, generator=gen, rand_bits=config.rand_bits,
-                                    params=list(tracked.values()), **variant_wrapper(variant, config.format))
+        if variant == "plan":
+            if plan is None:
+                raise ValueError("the plan variant needs the plan the reference run makes")
+            opt = LowPrecisionOptimizer(opt, config.format, generator=gen, rand_bits=config.rand_bits, plan=plan,
+                                        model=model)
+        else:
+            opt = LowPrecisionOptimizer(opt, config.format, generator=gen, rand_bits=config.rand_bits,
+                                        params=list(tracked.values()), **variant_wrapper(variant, config.format))
         observer = FreezeObserver(source, config.format, keep_masks=keep_masks)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, config))
     record = RunRecord(variant=variant)
+    planner = None
+    if plan_at is not None:   # the watch a practitioner would put on the fp32 run, for the plan
+        planner = FreezeWatch(model, opt, formats=(config.format,), scheduler=sched, total_steps=config.steps)
     start = datetime.now()
     bar = progress_bar(range(config.steps), desc=f"{variant:>10}", disable=not progress, position=position)
     for step in bar:
@@ -187,6 +202,10 @@ def _run_steps(variant: str, model: torch.nn.Module, task: Task, config: TrainCo
         opt.step()
         tracker.after_step()
         sched.step()
+        if planner is not None and step == plan_at - 1:
+            record.plan = planner.plan(config.format, budget=config.plan_budget).to_dict()
+            planner.detach()
+            planner = None
         record.loss.append(float(loss_value.item()))
         last = step == config.steps - 1
         if task.evaluate and ((config.eval_every and (step + 1) % config.eval_every == 0) or last):
@@ -241,6 +260,12 @@ def _lockstep(reference, nearest: Dict[str, Any]):
             agreement[name]["stratified_chance_mismatch"].append(
                 stratified_chance_mismatch(predictor.masks[name], observer.masks[name], weights))
     return ref_value, {name: _finish(run) for name, run in nearest.items()}, agreement
+
+
+def plan_step(config: TrainConfig) -> int:
+    """The number of reference steps the plan variant's freeze watch sees before the plan is
+    made: ``plan_after`` of the run, at least 11 (the diagnoses' patience plus one)."""
+    return min(config.steps, max(11, round(config.plan_after * config.steps)))
 
 
 def fit_steps(config: TrainConfig) -> int:
@@ -300,7 +325,13 @@ def train_variants(experiment: str, task: Task, config: TrainConfig, progress: b
     agreement: Dict[str, List[float]] = {}
     fmt = get_format(config.format).name
 
+    plan_at = plan_step(config) if "plan" in config.variants else None
+
     def start(variant, **kwargs):
+        if variant == "reference":
+            kwargs["plan_at"] = plan_at
+        if variant == "plan":
+            kwargs["plan"] = FreezePlan.from_dict(runs["reference"].plan)
         return _run_steps(variant, copy.deepcopy(init), task, config, device, config.formats, progress, dist_info,
                           **kwargs)
 
@@ -330,6 +361,16 @@ def train_variants(experiment: str, task: Task, config: TrainConfig, progress: b
                        provenance=_provenance(device, dist_info, identical, config.parallel),
                        description=task.description,
                        baselines=_baselines(predictor, fmt, runs["reference"].lr), agreement=agreement)
+
+
+def train_plan(task: Task, config: TrainConfig, plan: FreezePlan, progress: bool = False) -> RunRecord:
+    """The ``"plan"`` variant of ``config`` with a given ``plan`` (a control: the same budget in
+    another order, another budget), from the same initialisation on the same batches as
+    :func:`train_variants` (one process)."""
+    _, device, progress = _setup(config, progress)
+    init = task.make_model(torch.Generator().manual_seed(config.seed))
+    record, _, _ = _run_one("plan", init, task, config, device, config.formats, progress, plan=plan)
+    return record
 
 
 Variants = Union[Sequence[str], Dict[str, Sequence[str]]]

@@ -65,6 +65,7 @@ from .formats import DTYPE_FORMATS, FloatFormat, format_of_dtype, get_format
 from .optimizer import LowPrecisionOptimizer
 from .prediction import FreezeRecord, freeze_step
 from .results import atomic_write_json
+from .freeze_plan import FreezePlan, make_plan
 from .freeze_rule import watch_code
 from .rounding import move_probability, update_ulp_ratio, would_freeze
 from .runtime import progress_bar
@@ -193,6 +194,7 @@ class FreezeWatch:
         if not self._params:
             raise ValueError("the optimizer has no parameters to watch")
         self.names = list(self._params)
+        self._position = {n: i for i, n in enumerate(self.names)}
         self.sizes = {n: p.numel() for n, p in self._params.items()}
 
         # observation: parameters in a low-precision dtype, or on the grid of a LowPrecisionOptimizer
@@ -440,6 +442,14 @@ class FreezeWatch:
         """The index of the optimizer's param group that holds the tracked tensor ``name``."""
         return self._group[name]
 
+    def shape_of(self, name: str) -> tuple:
+        """The shape of the tracked tensor ``name`` (the whole tensor's, when sharded)."""
+        return tuple(self._params[name].shape)
+
+    def position_of(self, name: str) -> int:
+        """The index of ``name`` among the optimizer's non-empty parameters, all groups in order."""
+        return self._position[name]
+
     def optimizer_state(self, name: str) -> dict:
         """The optimizer's state of the tracked tensor ``name`` (``{}`` before its first step)."""
         return self.optimizer.state.get(self._params[name], {})
@@ -499,6 +509,14 @@ class FreezeWatch:
         (:func:`~lowprec_demo.watch_forecast.forecast`). Computed when asked, from what the
         hooks keep; it costs the training loop nothing."""
         return watch_forecast.forecast(self, fmt, threshold, total_steps)
+
+    def plan(self, fmt=None, budget: float = 1.0, threshold: Optional[float] = None,
+             total_steps: Optional[int] = None, kahan_format="auto") -> FreezePlan:
+        """A remedy only for the tensors that need one: per tensor ``"nearest"``, ``"stochastic"``,
+        ``"kahan"`` or ``"master"``, chosen from the diagnoses and the forecast within ``budget``
+        extra bytes per parameter (:func:`~lowprec_demo.freeze_plan.make_plan`). Apply it with
+        ``LowPrecisionOptimizer(optimizer, fmt, plan=plan)``."""
+        return make_plan(self, fmt, budget, threshold, total_steps, kahan_format)
 
     def groups(self) -> Dict[str, List[str]]:
         """Tensors by kind: ``"vectors"`` (biases, norm gains: one dimension), ``"embeddings"``
