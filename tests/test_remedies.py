@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import lowprec_demo as lp
+from lowprec_demo.freeze_plan import FreezePlan
 from lowprec_demo.config import VARIANTS
 from lowprec_demo.experiments import run_experiment
 from lowprec_demo.optimizer import LowPrecisionOptimizer, bytes_per_parameter
@@ -129,8 +130,11 @@ def test_the_loop_trains_every_remedy_and_keeps_its_bytes(tmp_path):
     result = run_experiment("mlp", steps=30, variants=VARIANTS, progress=False, options={"samples": 256})
     assert list(result.runs) == list(VARIANTS)
     bytes_ = {v: r.bytes_per_param["total"] for v, r in result.runs.items()}
+    plan = FreezePlan.from_dict(result.runs["reference"].plan)      # made by the watch on the reference
     assert bytes_ == {"reference": 12, "nearest": 10, "stochastic": 10, "kahan": 14, "kahan_lp": 12, "master": 14,
-                      "nearest_state": 6, "stochastic_state": 6}
+                      "nearest_state": 6, "stochastic_state": 6,
+                      "plan": pytest.approx(10 + plan.bytes_per_parameter()["extra"])}
+    assert plan.bytes_per_parameter()["extra"] <= result.config.plan_budget + 1e-9
     ref = result.runs["reference"].loss
     for v in ("kahan", "kahan_lp", "master"):   # nothing lost: these end close to fp32, nearest does not
         assert abs(result.runs[v].loss[-1] - ref[-1]) < abs(result.runs["nearest"].loss[-1] - ref[-1])
@@ -145,7 +149,7 @@ def test_compare_remedies_on_a_small_model():
     c = compare_remedies("mlp", steps=120, fewbit=(2, 8), progress=False, options={"samples": 256})
     rows = {r["remedy"]: r for r in c.rows()}
     assert list(rows) == ["fp32", "nearest", "stochastic", "sr2", "sr8", "kahan", "kahan_lp", "master",
-                          "nearest_state", "stochastic_state", "floor"]
+                          "nearest_state", "stochastic_state", "plan", "floor"]
     assert rows["fp32"]["gap"] == 0 and rows["fp32"]["bytes"] == 12
     assert all(math.isfinite(r["gap"]) for r in rows.values())
     # the moved fraction SR achieves is the one the fp32 run predicted, exact and few-bit
