@@ -65,6 +65,7 @@ from .watch import watch
 from .rounding import quantize
 from .results import atomic_write_json
 from .timing import median_times, peak_extra_bytes
+from .freeze_plan import FreezePlan, load_plan
 from .training import lowprec_named_params, make_optimizer, variant_wrapper
 
 __all__ = ["run", "main", "build_model", "bench_first_call", "bench_split", "QUANTIZE_FORMATS", "MODELS"]
@@ -86,7 +87,8 @@ MODELS = {
 VARIANTS = ("plain", "nearest", "stochastic", "nearest+observer", "plain+predictor", "plain+watch")
 # the remedies of the training loop's variants (lowprec_demo.training.variant_wrapper): timed on
 # request (--variants), whole steps only
-REMEDY_VARIANTS = ("kahan", "kahan_lp", "master", "nearest_state", "stochastic_state")
+REMEDY_VARIANTS = ("kahan", "kahan_lp", "master", "nearest_state", "stochastic_state", "plan")
+# ("plan": a freeze plan's step, each tensor with its remedy; the plan comes from --plan PATH)
 STEP_SECONDS = 0.25   # a training step shorter than this is timed over several steps in a row
 
 
@@ -288,10 +290,11 @@ def build_model(model_name: str, device: str):
     return config, task, model, make_optimizer(model, task, config), lowprec_named_params(model, config)
 
 
-def bench_training(model_name: str, device: str, repeats: int, variants=VARIANTS) -> dict:
+def bench_training(model_name: str, device: str, repeats: int, variants=VARIANTS, plan=None) -> dict:
     """Step times of every variant of one model, their ratios to the plain step and the peak
     memory of a step. One model and one optimizer (the training loop's, ``foreach=False``) are
-    shared by the variants, which differ only in what wraps and watches the step."""
+    shared by the variants, which differ only in what wraps and watches the step. The ``"plan"``
+    variant stores each tensor with its remedy in ``plan`` (a FreezePlan for this model)."""
     spec = MODELS[model_name]
     train_config, task, model, inner, lowprec = build_model(model_name, device)
     config = model.config
@@ -307,7 +310,14 @@ def bench_training(model_name: str, device: str, repeats: int, variants=VARIANTS
               "nearest+observer": (lpo("nearest"), FreezeObserver(lowprec, fmt)),
               "plain+predictor": (inner, FreezePredictor(lowprec, [fmt]))}
     for v in variants:
-        if v in REMEDY_VARIANTS:
+        if v == "plan":
+            if plan is None:
+                raise ValueError("the plan variant times a freeze plan's step: give the plan (--plan PATH)")
+            # the plan's remedies by tensor name, on this model's shapes (its vocabulary may differ)
+            by_name = FreezePlan(plan.format, plan.remedies, kahan_format=plan.kahan_format)
+            setups[v] = (LowPrecisionOptimizer(inner, fmt, generator=torch.Generator().manual_seed(2), plan=by_name,
+                                               model=model), None)
+        elif v in REMEDY_VARIANTS:
             setups[v] = (lpo(**variant_wrapper(v, fmt)), None)
     if "plain+watch" in variants:   # an AdamW of its own: the watch's hooks are on it alone
         watched = make_optimizer(model, task, train_config)
@@ -428,9 +438,10 @@ def bench_scale(sizes: List[int], device: str, repeats: int) -> List[dict]:
 def run(device: str = "cpu", quick: bool = False, size: Optional[int] = None, repeats: Optional[int] = None,
         models: Optional[List[str]] = None, libraries: bool = True, eager: bool = True,
         scale_sizes: Optional[List[int]] = None, progress: bool = True, variants=VARIANTS,
-        compile_kernels: bool = True) -> dict:
+        compile_kernels: bool = True, plan=None) -> dict:
     """Run the benchmark and return its results (see the module docstring); ``variants``: the
-    training-step variants to time (``plain`` always among them); ``compile_kernels=False``
+    training-step variants to time (``plain`` always among them; ``"plan"`` with ``plan``, a
+    FreezePlan of the model timed); ``compile_kernels=False``
     leaves the kernels as the current mode has them (a rehearsal in mode "off" compiles nothing).
 
     Example:
@@ -467,13 +478,13 @@ def run(device: str = "cpu", quick: bool = False, size: Optional[int] = None, re
         train_repeats = (3 if quick else 15) if (name == "gpt2" and not on_gpu) else (15 if quick else 40)
         previous = kernels.set_mode("on")
         try:
-            t = bench_training(name, device, train_repeats, variants)
+            t = bench_training(name, device, train_repeats, variants, plan)
         finally:
             kernels.set_mode(previous)
         if eager and name == "nanogpt-quick":
             previous = kernels.set_mode("off")
             try:
-                t["eager_ratio"] = bench_training(name, device, train_repeats, variants)["ratio"]
+                t["eager_ratio"] = bench_training(name, device, train_repeats, variants, plan)["ratio"]
             finally:
                 kernels.set_mode(previous)
         result["training"].append(t)
@@ -508,6 +519,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--variants", default=None,
                         help=f"comma-separated training-step variants (default: {', '.join(VARIANTS)}; "
                              f"also the remedies {', '.join(REMEDY_VARIANTS)})")
+    parser.add_argument("--plan", default=None, metavar="JSON",
+                        help="the freeze plan the plan variant stores with (FreezePlan.save's file)")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--summary-of", default=None, metavar="JSON",
                         help="measure nothing: print the tables and the summary against the targets of a "
@@ -532,8 +545,20 @@ def main(argv: Optional[List[str]] = None) -> int:
         unknown = [v for v in variants if v not in VARIANTS + REMEDY_VARIANTS]
         if unknown:
             parser.error(f"--variants: unknown {', '.join(unknown)}; valid: {', '.join(VARIANTS + REMEDY_VARIANTS)}")
+    plan = None
+    if "plan" in variants:
+        if not args.plan:
+            parser.error("--variants plan: give the plan to time with --plan PATH (a FreezePlan saved as JSON)")
+        try:
+            plan = load_plan(args.plan)
+        except (OSError, ValueError, KeyError) as error:
+            parser.error(f"--plan: cannot read a freeze plan from {args.plan}: {error}")
+        if models is None or len(models) != 1:
+            parser.error("--variants plan: a plan is made for one model; give --models with one of them")
     result = run(args.device, args.quick, args.size, args.repeats, models, not args.no_libraries, not args.no_eager,
-                 scale_sizes=[] if args.no_scale else None, variants=variants)
+                 scale_sizes=[] if args.no_scale else None, variants=variants, plan=plan)
+    if plan is not None:
+        result["plan"] = plan.to_dict()
     print(report(result) + "\n\n## Against the targets\n" + summary(result))
     if args.out:
         atomic_write_json(args.out, json.loads(json.dumps(result, default=str)))

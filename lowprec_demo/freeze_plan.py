@@ -231,7 +231,7 @@ def make_plan(watch, fmt=None, budget: float = 1.0, threshold: Optional[float] =
     plan = FreezePlan(f, {n: "nearest" for n in watch.tracked}, kahan_format=kahan_format, budget=float(budget),
                       sizes={n: watch.sizes[n] for n in watch.tracked}, step=watch.steps[-1], total_steps=total,
                       shapes={n: list(watch.shape_of(n)) for n in watch.tracked},
-                      positions={n: watch.position_of(n) for n in watch.tracked})
+                      positions={n: watch.names.index(n) for n in watch.tracked})
     held = {d.tensor: d for d in watch.diagnoses()
             if d.kind in ("cannot_move", "frozen") and d.numbers.get("format") == f}
     needs = []      # (order of need, size, name, preferred remedy, why)

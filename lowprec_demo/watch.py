@@ -148,7 +148,7 @@ class FreezeWatch:
             (parameters stored in a low-precision format: what happened).
         formats: the formats of the records, by name.
         steps: the optimizer step of every watched point (0-based).
-        names, sizes: the tracked parameters by name, and their element counts.
+        names, sizes: the optimizer's non-empty parameters by name, in order, and their sizes.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer, formats: Sequence = ("bf16",), scheduler=None,
@@ -194,7 +194,6 @@ class FreezeWatch:
         if not self._params:
             raise ValueError("the optimizer has no parameters to watch")
         self.names = list(self._params)
-        self._position = {n: i for i, n in enumerate(self.names)}
         self.sizes = {n: p.numel() for n, p in self._params.items()}
 
         # observation: parameters in a low-precision dtype, or on the grid of a LowPrecisionOptimizer
@@ -443,12 +442,8 @@ class FreezeWatch:
         return self._group[name]
 
     def shape_of(self, name: str) -> tuple:
-        """The shape of the tracked tensor ``name`` (the whole tensor's, when sharded)."""
+        """The shape of ``name`` (the whole tensor's, when sharded)."""
         return tuple(self._params[name].shape)
-
-    def position_of(self, name: str) -> int:
-        """The index of ``name`` among the optimizer's non-empty parameters, all groups in order."""
-        return self._position[name]
 
     def optimizer_state(self, name: str) -> dict:
         """The optimizer's state of the tracked tensor ``name`` (``{}`` before its first step)."""
@@ -512,10 +507,8 @@ class FreezeWatch:
 
     def plan(self, fmt=None, budget: float = 1.0, threshold: Optional[float] = None,
              total_steps: Optional[int] = None, kahan_format="auto") -> FreezePlan:
-        """A remedy only for the tensors that need one: per tensor ``"nearest"``, ``"stochastic"``,
-        ``"kahan"`` or ``"master"``, chosen from the diagnoses and the forecast within ``budget``
-        extra bytes per parameter (:func:`~lowprec_demo.freeze_plan.make_plan`). Apply it with
-        ``LowPrecisionOptimizer(optimizer, fmt, plan=plan)``."""
+        """A remedy per tensor within ``budget`` extra bytes per parameter, from the diagnoses and
+        the forecast (:func:`~lowprec_demo.freeze_plan.make_plan`): ``LowPrecisionOptimizer(..., plan=)``."""
         return make_plan(self, fmt, budget, threshold, total_steps, kahan_format)
 
     def groups(self) -> Dict[str, List[str]]:
