@@ -267,6 +267,7 @@ def watch_code(frozen: torch.Tensor, ratio: torch.Tensor, grad: torch.Tensor, te
     | (grad != 0)``, where ``at`` is the bin of ``y = log2(ratio) - log_lr[tensor]`` (the step per
     unit of learning rate, in gaps) among ``bins`` bins an eighth of an octave wide from
     ``first_edge``: ``ceil((y - first_edge) * 8)`` clamped to ``0 .. bins - 1``, NaN in the last.
+    ``log_lr`` holds one value per tensor, or is 0-dim when every tensor has the same learning rate.
     One ``bincount`` of the codes then gives, per tensor, the histogram and the frozen, idle and
     frozen-with-gradient counts.
 
@@ -275,8 +276,9 @@ def watch_code(frozen: torch.Tensor, ratio: torch.Tensor, grad: torch.Tensor, te
         >>> watch_code(one.bool(), one * 0.25, one, torch.zeros(1, dtype=torch.int32), torch.zeros(1), -4.0, 64).tolist()
         [67]
     """
-    y = torch.log2(ratio) - log_lr[tensor_id]
-    at = torch.ceil((y - first_edge) * 8).nan_to_num(nan=bins - 1).clamp(0, bins - 1).to(torch.int32)
+    y = torch.log2(ratio) - (log_lr if log_lr.dim() == 0 else log_lr[tensor_id])
+    at = torch.ceil((y - first_edge) * 8)     # (where, not nan_to_num: the compiled loop stays vectorized)
+    at = torch.where(torch.isnan(at), bins - 1, at.clamp(0, bins - 1)).to(torch.int32)
     return ((tensor_id * bins + at) << 2) | (frozen.to(torch.int32) << 1) | (grad != 0).to(torch.int32)
 
 

@@ -331,7 +331,7 @@ def watch_code(old: torch.Tensor, new: torch.Tensor, grad: torch.Tensor, tensor_
                log_lr: torch.Tensor, fmt: FloatFormat, first_edge: float, bins: int):
     """The freeze watch's codes and move probabilities of flat float32 tensors, compiled or
     eagerly (:func:`lowprec_demo.bit_kernels.watch_code_fp32`); ``tensor_id`` int32, ``log_lr``
-    float32 per tensor."""
+    float32 per tensor (or 0-dim: one for all)."""
     p = _cached_params("freeze", fmt, None, None, old.device)
     return _KERNELS["watch_code"](old, new, grad, tensor_id, log_lr, p, first_edge=first_edge, bins=bins,
                                  **gap_options(fmt))

@@ -319,11 +319,13 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
 
     def held_bytes(self) -> int:
         """The memory this wrapper keeps from step to step beyond the parameters and the inner
-        optimizer's state: the buffers of its packs of small tensors, and the Kahan
-        compensation buffers."""
+        optimizer's state: the buffers of its packs of small tensors, the Kahan compensation
+        buffers and their two flat work tensors, and the master copies."""
         held = sum(pack.held_bytes() for plan in self.__dict__.get("_pack_cache", {}).values()
                    for _, pack in plan if pack is not None)
-        buffers = list(self._compensation_buffers.values()) + list(self._masters.values())
+        work = self.__dict__.get("_kahan_flat")
+        buffers = list(self._compensation_buffers.values()) + list(self._masters.values()) \
+            + (list(work[1][:2]) if work is not None else [])
         return held + sum(sharding.local_part(b).numel() * b.element_size() for b in buffers)
 
     @torch.optim.Optimizer.profile_hook_step   # runs the step hooks (register_step_pre_hook ...)
@@ -370,27 +372,46 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
     def _kahan(self, params: list, buffers: list) -> None:
         """Kahan compensation, element by element: the target ``p + buf`` rounded to the grid is
         stored, the residual (exact: both are within an ulp) kept in the buffer, on its own grid
-        when it has one. Several float32 tensors are done as one flat tensor (the same bits: every
-        operation is elementwise), in a few calls instead of a few per tensor."""
-        targets = torch._foreach_add(params, buffers)        # what the weights should be, residual included
-        flat = len(params) > 1 and all(t.dtype == torch.float32 and t.device == targets[0].device for t in targets)
-        if flat:
-            targets = [torch.cat([t.reshape(-1) for t in targets])]
-        out = []
-        for target in targets:
-            stored = quantize(target, self.fmt, overflow=self.overflow)
-            residual = target - stored
+        when it has one. Several float32 tensors are done end to end in two flat work tensors
+        kept from step to step (the same bits: every operation is elementwise), in a few calls
+        and with nothing allocated; anything else tensor by tensor."""
+        work = self._kahan_work(params, buffers)
+        if work is None:
+            targets = torch._foreach_add(params, buffers)     # what the weights should be, residual included
+            stored = [quantize(t, self.fmt, overflow=self.overflow) for t in targets]
+            residual = torch._foreach_sub(targets, stored)
             if self.compensation_format is not None:   # a narrow buffer keeps the residual's leading bits
-                residual = quantize(residual, self.compensation_format)
-            out.append((stored, residual))
-        if flat:
+                residual = [quantize(r, self.compensation_format) for r in residual]
+            torch._foreach_copy_(buffers, residual)
+            torch._foreach_copy_(params, stored)
+            return
+        target, stored, target_views, stored_views = work
+        torch.cat([p.view(-1) for p in params], out=target)
+        torch.cat([b.view(-1) for b in buffers], out=stored)
+        target.add_(stored)                       # p + buf
+        quantize_(stored.copy_(target), self.fmt, overflow=self.overflow)
+        residual = target.sub_(stored)            # exact
+        if self.compensation_format is not None:
+            quantize_(residual, self.compensation_format)
+        torch._foreach_copy_(buffers, target_views)
+        torch._foreach_copy_(params, stored_views)
+
+    def _kahan_work(self, params: list, buffers: list):
+        """Two flat float32 tensors as long as ``params`` together and, per tensor, views of
+        them in its shape; None when the tensors are not all contiguous float32 on one device
+        (or only one)."""
+        tensors = params + buffers
+        if len(params) < 2 or not all(t.dtype == torch.float32 and t.is_contiguous() and t.device == params[0].device
+                                      for t in tensors):
+            return None
+        shapes = tuple(tuple(p.shape) for p in params)
+        work = self.__dict__.get("_kahan_flat")
+        if work is None or work[0] != shapes or work[1][0].device != params[0].device:
             sizes = [p.numel() for p in params]
-            stored = [x.view_as(p) for x, p in zip(out[0][0].split(sizes), params)]
-            residual = [x.view_as(p) for x, p in zip(out[0][1].split(sizes), params)]
-        else:
-            stored, residual = [o[0] for o in out], [o[1] for o in out]
-        torch._foreach_copy_(buffers, residual)
-        torch._foreach_copy_(params, stored)
+            flat = [torch.empty(sum(sizes), dtype=torch.float32, device=params[0].device) for _ in range(2)]
+            views = [[x.view(s) for x, s in zip(f.split(sizes), shapes)] for f in flat]
+            work = self._kahan_flat = (shapes, (flat[0], flat[1], views[0], views[1]))
+        return work[1]
 
     def prepare_buffers(self) -> None:
         """Make the Kahan compensation buffers (zeros) that the first step would make."""

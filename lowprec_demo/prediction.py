@@ -493,6 +493,23 @@ class FreezePredictor(StepTracker):
         values = {name: sums / total for name, sums in self._fit_sums.items()}
         return _share_below_half(self._fit_values(fmt, values), lrs)
 
+    def baselines(self, fmt: Union[str, FloatFormat, None], lrs: Sequence[float]) -> Dict[str, List[float]]:
+        """The rules that need no fp32 run after its first steps, as frozen-fraction curves over
+        a run whose learning rate at step t is ``lrs[t]``: ``"schedule"`` (:meth:`schedule_rule`),
+        ``"schedule_fitted"`` (:meth:`fitted_schedule_rule`), ``"always"`` and ``"never"``
+        (frozen at every step, at none). ``TrainResult.predictor_errors`` scores them.
+
+        Example:
+            >>> w = torch.nn.Parameter(torch.ones(2))
+            >>> p = FreezePredictor({"w": w}, ["bf16"], fit_steps=1)
+            >>> p.before_step(); w.data -= 8e-3; p.after_step()
+            >>> p.baselines("bf16", [1.0, 0.1])
+            {'schedule': [0.0, 1.0], 'schedule_fitted': [0.0, 1.0], 'always': [1.0, 1.0], 'never': [0.0, 0.0]}
+        """
+        return {"schedule": self.schedule_rule(fmt, [lr / lrs[0] for lr in lrs]),
+                "schedule_fitted": self.fitted_schedule_rule(fmt, lrs),
+                "always": [1.0] * len(lrs), "never": [0.0] * len(lrs)}
+
     def _fit_values(self, fmt, values: Dict[str, torch.Tensor]) -> torch.Tensor:
         name = self.formats[0].name if fmt is None else get_format(fmt).name
         if name not in values:

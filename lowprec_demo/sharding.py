@@ -7,8 +7,9 @@ row-major order, so the piece is the stretch of the flat tensor that starts at
 :func:`flat_offset`. :class:`~lowprec_demo.optimizer.LowPrecisionOptimizer` rounds each piece
 where it lies (:func:`store_pieces`), stochastic rounding drawing, for each element, the random
 bits of its index in the whole tensor (or in the pack of small tensors a single process would
-round it in): one process and N processes store the same bits. The freeze watch follows, on
-each process, the followed elements that fall in its pieces (:class:`ShardedSamplePlan`) and adds
+round it in): one process and N processes store the same bits. The freeze watch follows the
+elements of :class:`SamplePlan` (in one process), and on each process of a sharded run those of
+them that fall in its pieces (:class:`ShardedSamplePlan`), and adds
 the counts of all processes with one ``all_reduce`` per watched step, so that every process
 holds the single-process report.
 
@@ -32,7 +33,7 @@ import torch
 from .rounding import draw_seed, quantize_
 
 __all__ = ["is_sharded", "any_sharded", "local_part", "check_placements", "flat_offset", "row_range", "counts_here", "store_pieces",
-           "ShardedSamplePlan", "ALLOWED_PLACEMENTS"]
+           "SamplePlan", "ShardedSamplePlan", "ALLOWED_PLACEMENTS"]
 
 ALLOWED_PLACEMENTS = ("Shard(0)", "Replicate()")
 
@@ -161,6 +162,76 @@ def _round_piece(t, fmt, rounding: str, seed: Optional[int], start: int, rand_bi
               index_offset=start + flat_offset(t))
 
 
+class SamplePlan:
+    """Which elements of each tracked tensor the freeze watch follows in one process: all of them, or for a tensor
+    larger than ``sample`` an evenly strided ``sample`` of them (the same elements every step).
+    Everything the watch computes runs once over the followed elements of all tensors laid end
+    to end, and per-tensor sums come from one ``bincount``."""
+
+    def __init__(self, tensors: List[torch.Tensor], sample: Optional[int]) -> None:
+        self.strides, self.counts = [], []
+        for t in tensors:
+            n = t.numel()
+            stride = 1 if sample is None or n <= sample else -(-n // sample)
+            self.strides.append(stride)
+            self.counts.append(len(range(0, n, stride)))
+        device = tensors[0].device if tensors else "cpu"
+        self.tensor_id = torch.repeat_interleave(torch.arange(len(tensors), dtype=torch.int32, device=device),
+                                                 torch.tensor(self.counts, device=device))
+        self.ends = torch.cumsum(torch.tensor(self.counts, device=device), 0) - 1   # every count is >= 1
+        self._views: Optional[List[torch.Tensor]] = None
+        self._view_key: Optional[List[int]] = None
+
+    def gather(self, tensors: List[torch.Tensor], out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The followed elements, end to end (into ``out`` when it fits: one buffer, step after step)."""
+        parts = [t.reshape(-1)[::s] for t, s in zip(tensors, self.strides)]
+        dtype = parts[0].dtype if all(p.dtype == parts[0].dtype for p in parts) else torch.float64
+        if out is not None and out.dtype == dtype and out.numel() == self.tensor_id.numel():
+            return torch.cat([p.to(dtype) for p in parts], out=out)
+        return torch.cat([p.to(dtype) for p in parts])
+
+    def gather_params(self, params: List[torch.Tensor], out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """:meth:`gather` of the tracked parameters, through flat views of them made once (a
+        parameter's storage stays where it is while an optimizer steps it in place); made again
+        when a parameter has moved, and not used for a parameter that has no flat view."""
+        where = [p.data_ptr() for p in params]
+        if where != self._view_key:
+            try:
+                views = [p.detach().view(-1)[::s] for p, s in zip(params, self.strides)]
+            except RuntimeError:      # not contiguous: no flat view
+                views = None
+            if views is not None and any(v.dtype != views[0].dtype for v in views):
+                views = None
+            self._views, self._view_key = views, where
+        if self._views is None:
+            return self.gather(params, out)
+        if out is not None and out.dtype == self._views[0].dtype and out.numel() == self.tensor_id.numel():
+            return torch.cat(self._views, out=out)
+        return torch.cat(self._views)
+
+    def per_tensor(self, values: torch.Tensor) -> torch.Tensor:
+        """Per tensor, the sum of ``values`` (bool or float) over its followed elements, float64:
+        a running sum, read at the end of every tensor's stretch (exact for counts)."""
+        exact = torch.int64 if values.dtype == torch.bool else torch.float64
+        total = values.cumsum(0, dtype=exact)[self.ends]
+        return torch.diff(total, prepend=total.new_zeros(1)).double()
+
+    def grads(self, params: List[torch.Tensor]) -> torch.Tensor:
+        """The gradients at the followed elements (zeros for a parameter without one)."""
+        return self.gather([p.grad if p.grad is not None else p.new_zeros(()).expand(p.shape) for p in params])
+
+    @staticmethod
+    def row_flags(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        """For an embedding: whether each row has a gradient."""
+        return grad.reshape(grad.shape[0], -1).ne(0).any(1)
+
+    @staticmethod
+    def reduce(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
+        """One process holds everything: the tensors as they are (see
+        :meth:`ShardedSamplePlan.reduce`)."""
+        return tensors
+
+
 class ShardedSamplePlan:
     """The freeze watch's sample plan for sharded tensors: the elements a single process follows
     (every element of a tensor of up to ``sample``, else every ``stride``-th of the flat whole
@@ -203,6 +274,8 @@ class ShardedSamplePlan:
         if out is not None and out.dtype == dtype and out.numel() == self.tensor_id.numel():
             return torch.cat([p.to(dtype) for p in parts], out=out)
         return torch.cat([p.to(dtype) for p in parts])
+
+    gather_params = gather     # (a DTensor's local piece is looked up each time)
 
     def grads(self, params: Sequence[torch.Tensor]) -> torch.Tensor:
         """The gradients at the followed elements (zeros for a parameter without one)."""

@@ -279,13 +279,6 @@ def fit_steps(config: TrainConfig) -> int:
     return min(config.steps, config.warmup_steps if config.warmup_steps > 0 else max(1, config.steps // 50))
 
 
-def _baselines(predictor: FreezePredictor, fmt: str, lrs: Sequence[float]) -> Dict[str, List[float]]:
-    """The baseline predictors of format ``fmt`` over the run's learning rates ``lrs``."""
-    return {"schedule": predictor.schedule_rule(fmt, [lr / lrs[0] for lr in lrs]),
-            "schedule_fitted": predictor.fitted_schedule_rule(fmt, lrs),
-            "always": [1.0] * len(lrs), "never": [0.0] * len(lrs)}
-
-
 def _setup(config: TrainConfig, progress: bool):
     dist_info = init_distributed(config.device)
     device = pick_device(config.device)
@@ -360,7 +353,7 @@ def train_variants(experiment: str, task: Task, config: TrainConfig, progress: b
     return TrainResult(experiment=experiment, config=config, runs=runs, predictions=dict(predictor.records),
                        provenance=_provenance(device, dist_info, identical, config.parallel),
                        description=task.description,
-                       baselines=_baselines(predictor, fmt, runs["reference"].lr), agreement=agreement)
+                       baselines=predictor.baselines(fmt, runs["reference"].lr), agreement=agreement)
 
 
 def train_plan(task: Task, config: TrainConfig, plan: FreezePlan, progress: bool = False) -> RunRecord:
@@ -436,6 +429,6 @@ def train_formats(experiment: str, task: Task, config: TrainConfig, formats: Seq
         results[name] = TrainResult(experiment=experiment, config=cfg, runs=runs, predictions=dict(predictor.records),
                                     provenance=_provenance(device, dist_info, ident, config.parallel),
                                     description=task.description,
-                                    baselines=_baselines(predictor, name, ref_record.lr),
+                                    baselines=predictor.baselines(name, ref_record.lr),
                                     agreement=agreement.get(name, {}))
     return results

@@ -90,55 +90,6 @@ def _inner(optimizer):
     return optimizer
 
 
-class _SamplePlan:
-    """Which elements of each tracked tensor the watch follows: all of them, or for a tensor
-    larger than ``sample`` an evenly strided ``sample`` of them (the same elements every step).
-    Everything the watch computes runs once over the followed elements of all tensors laid end
-    to end, and per-tensor sums come from one ``bincount``."""
-
-    def __init__(self, tensors: List[torch.Tensor], sample: Optional[int]) -> None:
-        self.strides, self.counts = [], []
-        for t in tensors:
-            n = t.numel()
-            stride = 1 if sample is None or n <= sample else -(-n // sample)
-            self.strides.append(stride)
-            self.counts.append(len(range(0, n, stride)))
-        device = tensors[0].device if tensors else "cpu"
-        self.tensor_id = torch.repeat_interleave(torch.arange(len(tensors), dtype=torch.int32, device=device),
-                                                 torch.tensor(self.counts, device=device))
-        self.ends = torch.cumsum(torch.tensor(self.counts, device=device), 0) - 1   # every count is >= 1
-
-    def gather(self, tensors: List[torch.Tensor], out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """The followed elements, end to end (into ``out`` when it fits: one buffer, step after step)."""
-        parts = [t.reshape(-1)[::s] for t, s in zip(tensors, self.strides)]
-        dtype = parts[0].dtype if all(p.dtype == parts[0].dtype for p in parts) else torch.float64
-        if out is not None and out.dtype == dtype and out.numel() == self.tensor_id.numel():
-            return torch.cat([p.to(dtype) for p in parts], out=out)
-        return torch.cat([p.to(dtype) for p in parts])
-
-    def per_tensor(self, values: torch.Tensor) -> torch.Tensor:
-        """Per tensor, the sum of ``values`` (bool or float) over its followed elements, float64:
-        a running sum, read at the end of every tensor's stretch (exact for counts)."""
-        exact = torch.int64 if values.dtype == torch.bool else torch.float64
-        total = values.cumsum(0, dtype=exact)[self.ends]
-        return torch.diff(total, prepend=total.new_zeros(1)).double()
-
-    def grads(self, params: List[torch.Tensor]) -> torch.Tensor:
-        """The gradients at the followed elements (zeros for a parameter without one)."""
-        return self.gather([p.grad if p.grad is not None else p.new_zeros(()).expand(p.shape) for p in params])
-
-    @staticmethod
-    def row_flags(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-        """For an embedding: whether each row has a gradient."""
-        return grad.reshape(grad.shape[0], -1).ne(0).any(1)
-
-    @staticmethod
-    def reduce(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
-        """One process holds everything: the tensors as they are (see
-        :meth:`lowprec_demo.sharding.ShardedSamplePlan.reduce`)."""
-        return tensors
-
-
 class FreezeWatch:
     """What :func:`watch` returns: the hooks, the measurements, and the answers. See the module
     docstring; the arguments are those of :func:`watch`.
@@ -229,10 +180,11 @@ class FreezeWatch:
         self._recent: Dict[str, torch.Tensor] = {}      # the same over fewer steps: the trend's start
         self._trend: Dict[str, RatioTrend] = {}          # per format: the ratio's median per tensor over the run
         self._before: Optional[torch.Tensor] = None
+        self._after: Optional[torch.Tensor] = None
         followed = [self._params[n] for n in self.tracked]
         # FSDP2 (DTensor parameters): each process follows its pieces, the counts added over processes
         self.sharded = sharding.any_sharded(followed)
-        self._plan = (sharding.ShardedSamplePlan if self.sharded else _SamplePlan)(followed, sample)
+        self._plan = (sharding.ShardedSamplePlan if self.sharded else sharding.SamplePlan)(followed, sample)
         self._groups = self._group_tensors()
         self._step = 0
         self._state_values: Dict[tuple, float] = {}
@@ -255,7 +207,7 @@ class FreezeWatch:
         see."""
         if not self._watched():
             return
-        self._before = self._plan.gather([self._params[n] for n in self.tracked], self._before)   # a copy (no_grad)
+        self._before = self._plan.gather_params([self._params[n] for n in self.tracked], self._before)   # a copy
         self._lr_now = [float(g["lr"]) for g in self.optimizer.param_groups]
 
     @torch.no_grad()
@@ -271,7 +223,7 @@ class FreezeWatch:
         self.steps.append(step)
         self.lrs.append(self._lr_now)
         plan, params = self._plan, [self._params[n] for n in self.tracked]
-        new = plan.gather(params)     # a copy; under no_grad nothing is recorded (a DTensor's detach costs ~30 us)
+        new = self._after = plan.gather_params(params, self._after)   # a copy, into the buffer of the last step
         grad = plan.grads(params)
         # rows that had a gradient, in full: an embedding's unused rows
         row_names = [n for n in self._embeddings if self._params[n].grad is not None]
@@ -310,15 +262,18 @@ class FreezeWatch:
             seen = seen if seen.dtype == torch.bool else seen > 0
             self._rows_seen[n] = seen if n not in self._rows_seen else self._rows_seen[n] | seen
 
-    def _predict(self, plan: "_SamplePlan", old: torch.Tensor, new: torch.Tensor, grad: torch.Tensor,
+    def _predict(self, plan: "sharding.SamplePlan", old: torch.Tensor, new: torch.Tensor, grad: torch.Tensor,
                  row_names: List[str], rows: List[torch.Tensor]) -> None:
         """Prediction mode's point of every record, from the rule at ``q(old)``: per format one
         pass writes the codes of :func:`lowprec_demo.freeze_rule.watch_code` (tensor, bin of
         ``log2(|d| / (lr gap))``, frozen, gradient) and the move probabilities; one bincount of
         the codes gives every tensor's histogram and counts, a running sum its moves."""
         n_tensors, bins = len(plan.counts), len(EDGES) + 1
-        lrs = torch.tensor([self._lr_now[self._group[n]] for n in self.tracked], dtype=torch.float64)
+        same = all(lr == self._lr_now[0] for lr in self._lr_now)    # one learning rate: one value for all
+        lrs = torch.tensor(self._lr_now[:1] if same else [self._lr_now[self._group[n]] for n in self.tracked],
+                           dtype=torch.float64)
         log_lr = torch.log2(lrs.clamp(min=1e-300)).to(torch.float32).to(new.device)
+        log_lr = log_lr.reshape(()) if same else log_lr
         local = []
         for fmt in self.formats_given:
             if kernels.fits(old, fmt):
@@ -379,19 +334,25 @@ class FreezeWatch:
 
     def _watch_counters(self, step: int) -> None:
         """Optimizer-state counters (``step``) held in a float format: do they still count?"""
-        for n in self.tracked:
-            for key, value in self.optimizer.state.get(self._params[n], {}).items():
-                if torch.is_tensor(value) and value.dim() == 0 and value.is_floating_point():
-                    v = float(value)
-                    last = self._state_values.get((n, key))
-                    if last is not None and v == last:
-                        self._stuck_counters[(n, key)] = self._stuck_counters.get((n, key), 0) + 1
-                    self._state_values[(n, key)] = v
+        found = [((n, key), value) for n in self.tracked
+                 for key, value in self.optimizer.state.get(self._params[n], {}).items()
+                 if torch.is_tensor(value) and value.dim() == 0 and value.is_floating_point()]
+        if not found:
+            return
+        try:      # one transfer (float types widen exactly)
+            values = torch.stack([v for _, v in found]).tolist()
+        except RuntimeError:     # on several devices
+            values = [float(v) for _, v in found]
+        for (key, _), v in zip(found, values):
+            last = self._state_values.get(key)
+            if last is not None and v == last:
+                self._stuck_counters[key] = self._stuck_counters.get(key, 0) + 1
+            self._state_values[key] = v
 
     def held_bytes(self) -> int:
-        """The memory the watch keeps from step to step: its one copy of the tracked parameters,
+        """The memory the watch keeps from step to step: its two copies of the tracked parameters,
         the forecast's histograms and trend points and the rows-with-gradient flags."""
-        tensors = ([self._before] if self._before is not None else []) + list(self._hist.values()) \
+        tensors = [t for t in (self._before, self._after) if t is not None] + list(self._hist.values()) \
             + list(self._recent.values()) + list(self._rows_seen.values()) + [self._plan.tensor_id]
         return sum(t.numel() * t.element_size() for t in tensors) + sum(t.nbytes() for t in self._trend.values())
 
