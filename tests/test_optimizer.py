@@ -165,6 +165,33 @@ def test_kahan_recovers_lost_updates():
     assert on_grid(kahan, "bf16")
 
 
+def test_kahan_in_flat_work_tensors_is_kahan_tensor_by_tensor():
+    # contiguous float32 tensors are compensated end to end in two flat work tensors; a strided one
+    # sends the step tensor by tensor: weights and buffers the same bits both ways, both buffers
+    torch.manual_seed(0)
+    values = [torch.randn(5, 3), torch.randn(7), torch.randn(3, 4)]
+    grads = [[torch.randn_like(v) * 10.0 ** -k for v in values] for k in range(2, 6) for _ in range(5)]
+
+    def run(strided, buffer):
+        params = [torch.nn.Parameter(v.clone()) for v in values]
+        if strided:
+            params[2] = torch.nn.Parameter(values[2].t().contiguous().t())
+            assert not params[2].is_contiguous()
+        opt = LowPrecisionOptimizer(torch.optim.SGD(params, lr=0.1), "bf16", compensation="kahan",
+                                    compensation_format=buffer)
+        for gs in grads:
+            for p, g in zip(params, gs):
+                p.grad = g.clone()
+            opt.step()
+        buffers = opt.state_dict()["lowprec"]["compensation_buffers"]
+        return [p.detach().view(torch.int32).clone() for p in params] + [buffers[i].view(torch.int32) for i in range(3)]
+
+    for buffer in (None, "bf16"):
+        flat, by_tensor = run(False, buffer), run(True, buffer)
+        assert all(torch.equal(a, b) for a, b in zip(flat, by_tensor)), buffer
+        assert any(b.any() for b in flat[3:])       # the buffers hold residuals
+
+
 def test_lr_scheduler_and_zero_grad():
     model = small_model()
     inner = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -461,7 +461,7 @@ def test_update_ratios_and_held_memory():
     assert w.update_ratios("bf16", q=0.9)["p"] > ratios["p"]
     with pytest.raises(ValueError, match="q must be"):
         w.update_ratios("bf16", q=1.0)
-    assert w.held_bytes() >= 400 * 4          # the one copy of the 400 float32 parameters
+    assert w.held_bytes() >= 2 * 400 * 4      # the two copies of the 400 float32 parameters
     assert w.held_bytes() < 400 * 4 + 20_000  # and a histogram, nothing per step
 
 
@@ -559,3 +559,66 @@ def test_forecast_on_a_model_the_book_does_not_build():
     assert sum(m[30]["low"] <= came <= (m[30]["high"] or math.inf) for came, m in runs) >= 4, runs
     # at 50 %: within max(2, 5 %) of the run on every seed
     assert all(err(m[60]["overall"], came) <= max(2, 0.05 * steps) for came, m in runs), runs
+
+
+def test_parameters_moved_or_without_a_flat_view_are_followed_like_the_rest():
+    # the watch copies the weights through flat views made once: a parameter given new storage in
+    # the middle of the run, or one with no flat view (not contiguous), is followed as the predictor
+    # follows it, step by step
+    def run(strided):
+        model = tiny_model()
+        if strided:
+            lin = model[2]
+            lin.weight = torch.nn.Parameter(lin.weight.detach().t().contiguous().t())   # the same values
+            assert not lin.weight.is_contiguous()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        w = lp.watch(model, opt, formats=("bf16",))
+        predictor = lp.FreezePredictor(model, formats=("bf16",))
+        opt.register_step_pre_hook(lambda *a: predictor.before_step())
+        opt.register_step_post_hook(lambda *a: predictor.after_step())
+
+        def move(t):
+            if t == 5:
+                model[1].bias.data = model[1].bias.data.clone()     # new storage, the same values
+        train(model, opt, 12, each=move)
+        ours, theirs = w.record("bf16"), predictor.record("bf16")
+        assert ours.overall == theirs.overall and ours.by_tensor == theirs.by_tensor
+        assert max(ours.by_tensor["1.bias"]) == 0           # it moves on every step, before and after
+        return ours.by_tensor
+
+    assert run(strided=False) == run(strided=True)
+
+
+def test_one_learning_rate_for_all_tensors_gives_the_same_codes():
+    # the watch passes one log learning rate when every group has the same: the codes are those of
+    # one value per tensor, compiled and eager, and the bins those of ceil(8 (log2 ratio - log lr - edge))
+    # clamped to the bins, NaN in the last
+    from lowprec_demo import kernels
+    from lowprec_demo.watch_forecast import EDGES
+    torch.manual_seed(0)
+    n, fmt, bins, first = 3000, lp.get_format("bf16"), len(EDGES) + 1, float(EDGES[0])
+    old = torch.randn(n) * 0.02
+    new = old + torch.randn(n) * torch.logspace(-9, -1, n)
+    new[::11] = float("nan")
+    old[1::11] = 0.0
+    new[2::11] = old[2::11]
+    old[3::11] = float("inf")
+    new[4::11] = 1e30
+    old[5::11] = 1e-41
+    grad = torch.randn(n)
+    grad[::7] = 0.0
+    tensor_id = torch.repeat_interleave(torch.arange(3, dtype=torch.int32), torch.tensor([1000, 1500, 500]))
+    one = torch.tensor(-9.5)
+    ratio = lp.update_ulp_ratio(old, new - old, fmt).float()
+    want = torch.ceil((torch.log2(ratio) - one - first) * 8).nan_to_num(nan=bins - 1).clamp(0, bins - 1)
+    for mode in ("off", "on"):
+        previous = kernels.set_mode(mode)
+        try:
+            per_tensor = kernels.watch_code(old, new, grad, tensor_id, one.expand(3).clone(), fmt, first, bins)
+            shared = kernels.watch_code(old, new, grad, tensor_id, one, fmt, first, bins)
+        finally:
+            kernels.set_mode(previous)
+        assert torch.equal(per_tensor[0], shared[0])
+        assert torch.equal(per_tensor[1].view(torch.int32), shared[1].view(torch.int32))
+        assert torch.equal((shared[0] >> 2) % bins, want.to(torch.int32))
+    assert ratio.isnan().any() and ratio.isinf().any() and (ratio == 0).any()   # the edge cases are there
