@@ -290,6 +290,10 @@ def _cpu_cast_saturates(dtype: torch.dtype) -> bool:
     return probe.tolist() == [top, top, top, -top]
 
 
+# torch's casts that beat the rounding kernel, compiled or not (the CPU's float8 casts are slow)
+_FAST_CASTS = (torch.bfloat16, torch.float16)
+
+
 def _native_dtype(x: torch.Tensor, fmt: FloatFormat, policy: str) -> Optional[torch.dtype]:
     """A torch dtype whose cast from ``x`` is already the exact RNE (single rounding) with this
     overflow policy, or None."""
@@ -361,7 +365,7 @@ def quantize(x: torch.Tensor, fmt: Union[str, FloatFormat], rounding: str = "nea
         native = _native_dtype(x, fmt, policy)
         if native == x.dtype:  # the grid holds every value of x (a new tensor all the same)
             return x.clone()
-        if native is not None and (native in (torch.bfloat16, torch.float16) or x.dtype != torch.float32):
+        if native is not None and (native in _FAST_CASTS or x.dtype != torch.float32):
             return x.to(native).to(x.dtype)
         if x.dtype == torch.float32:
             # the kernel, compiled when worth it (the CPU's float8 casts are slow); else torch's
@@ -403,7 +407,7 @@ def quantize_(x: torch.Tensor, fmt: Union[str, FloatFormat], rounding: str = "ne
         native = _native_dtype(x, fmt, policy)
         if native == x.dtype:  # the grid holds every float32 value: nothing to do
             return x
-        if native in (torch.bfloat16, torch.float16):   # torch's cast: faster than the kernel, compiled or not
+        if native in _FAST_CASTS:
             return x.copy_(x.to(native))
         return kernels.nearest_(x, fmt, policy, eager=(lambda: x.copy_(x.to(native))) if native is not None else None)
 

@@ -162,9 +162,22 @@ def _round_piece(t, fmt, rounding: str, seed: Optional[int], start: int, rand_bi
               index_offset=start + flat_offset(t))
 
 
+def _end_to_end(parts: List[torch.Tensor], out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The flat ``parts`` laid end to end, in their dtype (float64 where they differ), into
+    ``out`` when it has that dtype and length (one buffer, step after step)."""
+    dtype = parts[0].dtype
+    if any(p.dtype != dtype for p in parts):
+        dtype = torch.float64
+        parts = [p.to(dtype) for p in parts]
+    if out is not None and out.dtype == dtype and out.numel() == sum(p.numel() for p in parts):
+        return torch.cat(parts, out=out)
+    return torch.cat(parts)
+
+
 class SamplePlan:
-    """Which elements of each tracked tensor the freeze watch follows in one process: all of them, or for a tensor
-    larger than ``sample`` an evenly strided ``sample`` of them (the same elements every step).
+    """Which elements of each tracked tensor the freeze watch follows in one process: all of
+    them, or for a tensor larger than ``sample`` an evenly strided ``sample`` of them (the same
+    elements every step).
     Everything the watch computes runs once over the followed elements of all tensors laid end
     to end, and per-tensor sums come from one ``bincount``."""
 
@@ -184,11 +197,7 @@ class SamplePlan:
 
     def gather(self, tensors: List[torch.Tensor], out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The followed elements, end to end (into ``out`` when it fits: one buffer, step after step)."""
-        parts = [t.reshape(-1)[::s] for t, s in zip(tensors, self.strides)]
-        dtype = parts[0].dtype if all(p.dtype == parts[0].dtype for p in parts) else torch.float64
-        if out is not None and out.dtype == dtype and out.numel() == self.tensor_id.numel():
-            return torch.cat([p.to(dtype) for p in parts], out=out)
-        return torch.cat([p.to(dtype) for p in parts])
+        return _end_to_end([t.reshape(-1)[::s] for t, s in zip(tensors, self.strides)], out)
 
     def gather_params(self, params: List[torch.Tensor], out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """:meth:`gather` of the tracked parameters, through flat views of them made once (a
@@ -203,11 +212,7 @@ class SamplePlan:
             if views is not None and any(v.dtype != views[0].dtype for v in views):
                 views = None
             self._views, self._view_key = views, where
-        if self._views is None:
-            return self.gather(params, out)
-        if out is not None and out.dtype == self._views[0].dtype and out.numel() == self.tensor_id.numel():
-            return torch.cat(self._views, out=out)
-        return torch.cat(self._views)
+        return self.gather(params, out) if self._views is None else _end_to_end(self._views, out)
 
     def per_tensor(self, values: torch.Tensor) -> torch.Tensor:
         """Per tensor, the sum of ``values`` (bool or float) over its followed elements, float64:
@@ -269,11 +274,7 @@ class ShardedSamplePlan:
 
     def gather(self, tensors: Sequence, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The followed elements of this process's pieces, end to end."""
-        parts = self._parts(tensors)
-        dtype = parts[0].dtype if all(p.dtype == parts[0].dtype for p in parts) else torch.float64
-        if out is not None and out.dtype == dtype and out.numel() == self.tensor_id.numel():
-            return torch.cat([p.to(dtype) for p in parts], out=out)
-        return torch.cat([p.to(dtype) for p in parts])
+        return _end_to_end(self._parts(tensors), out)
 
     gather_params = gather     # (a DTensor's local piece is looked up each time)
 
