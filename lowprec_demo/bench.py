@@ -382,10 +382,13 @@ def bench_training(model_name: str, device: str, repeats: int, variants=VARIANTS
     for v in REMEDY_VARIANTS:   # not timed alone: what their whole step adds
         if v in variants:
             alone[v] = max(0.0, times[v] - times["plain"])
-    peaks = {}
+    peaks, held = {}, {}
     for v in variants:   # each from the same state: gradients released, optimizer state made
         inner.zero_grad(set_to_none=True)
         peaks[v] = peak_extra_bytes(cases[v], device)
+        # what it keeps, right after its own step (the variants share the parameters, which live
+        # in the packs of the variant that stepped last)
+        held[v] = _held_bytes(*setups[v])
     # the ratio within each round (the variant and the plain step timed minutes apart at most,
     # under the same load); the reported ratio is their median
     ratios = {v: [a / b for a, b in zip(rounds[v], rounds["plain"])] for v in variants}
@@ -400,7 +403,7 @@ def bench_training(model_name: str, device: str, repeats: int, variants=VARIANTS
             "added_alone_ms": {v: alone[v] * 1e3 for v in variants},
             "ratio_from_parts": {v: 1 + alone[v] / times["plain"] for v in variants},
             "memory_MB": {"parameters": n_params * 4 / 2**20, "optimizer_state": state / 2**20},
-            "held_MB": {v: _held_bytes(*setups[v]) / 2**20 for v in variants},
+            "held_MB": {v: b / 2**20 for v, b in held.items()},
             "peak_extra_MB": {v: None if p is None else p / 2**20 for v, p in peaks.items()}}
 
 

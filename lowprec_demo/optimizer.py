@@ -43,7 +43,7 @@ from typing import Callable, Iterable, Optional, Union
 import torch
 
 from . import kernels, sharding
-from .packing import packs
+from .packing import Pack, packs
 from .formats import FloatFormat, check_overflow_policy, get_format
 from .freeze_plan import FreezePlan, resolve_plan
 from .rounding import ROUNDING_MODES, GeneratorLike, quantize, quantize_
@@ -272,7 +272,9 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         """Round ``tensors`` onto ``fmt``'s grid in place: what ``t.copy_(self._round(t, ...))``
         does for each, in fewer passes over memory. Contiguous float32 tensors are rounded in
         place by the fused kernels, the small ones packed into one flat tensor (one call, and
-        for SR one seed, per pack); anything else tensor by tensor."""
+        for SR one seed, per pack), where they live from then on (:meth:`Pack.flat
+        <lowprec_demo.packing.Pack.flat>` with ``adopt``: each one's ``.data`` a view of the
+        pack's buffer); anything else tensor by tensor."""
         policy = self.overflow if fmt is self.fmt else fmt.overflow
         if sharding.any_sharded(tensors):   # FSDP2: each process rounds its pieces, with the whole tensors' bits
             sharding.store_pieces(self._pack_plan(tensors), fmt, rounding, self.generator, self.rand_bits, policy)
@@ -282,7 +284,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
                 for t in members:
                     t.copy_(self._round(t, fmt, rounding))
                 continue
-            flat = pack.flat(members)     # several: copied into the pack's buffer, one: the tensor itself
+            flat = pack.flat(members, adopt=True)   # several: living in the pack's buffer, one: itself
             self._store_flat(flat, fmt, rounding, policy)
             pack.put_back(members)
 
@@ -301,10 +303,23 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         chosen = {id(t) for t in fast}
         plan = [([t], None) for t in tensors if id(t) not in chosen]
         plan += [([fast[i] for i in pack.indices], pack) for pack in packs(fast)]
+        self._forget_packs(key, "rounding")
         if len(cache) >= 8:
             cache.clear()
         cache[key] = plan
         return plan
+
+    def _forget_packs(self, key: tuple, made: str) -> None:
+        """Drop the kept packs of any tensor in ``key`` (ids) but the ones just ``made``
+        (``"rounding"`` or ``"kahan"``): the new packs adopt those tensors, so the old buffers
+        would hold nothing but their memory."""
+        ids = set(key)
+        cache = self.__dict__.get("_pack_cache", {})
+        for old in [k for k in cache if not (made == "rounding" and k == key) and ids.intersection(k)]:
+            del cache[old]
+        kahan = self.__dict__.get("_kahan_packs")
+        if made != "kahan" and kahan is not None and ids.intersection(kahan[0]):
+            del self._kahan_packs
 
     def _store_flat(self, t: torch.Tensor, fmt: FloatFormat, rounding: str, policy: str) -> None:
         quantize_(t, fmt, rounding, generator=self.generator, rand_bits=self.rand_bits, overflow=policy)
@@ -319,13 +334,16 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
 
     def held_bytes(self) -> int:
         """The memory this wrapper keeps from step to step beyond the parameters and the inner
-        optimizer's state: the buffers of its packs of small tensors, the Kahan compensation
-        buffers and their two flat work tensors, and the master copies."""
-        held = sum(pack.held_bytes() for plan in self.__dict__.get("_pack_cache", {}).values()
-                   for _, pack in plan if pack is not None)
-        work = self.__dict__.get("_kahan_flat")
-        buffers = list(self._compensation_buffers.values()) + list(self._masters.values()) \
-            + (list(work[1][:2]) if work is not None else [])
+        optimizer's state: the buffers of its packs of small tensors (none while the tensors
+        live in them), the Kahan compensation buffers and the master copies."""
+        held = sum(pack.held_bytes(members) for plan in self.__dict__.get("_pack_cache", {}).values()
+                   for members, pack in plan if pack is not None)
+        kahan = self.__dict__.get("_kahan_packs")
+        if kahan is not None:
+            local, kahan_params = sharding.local_part, self.params_with("kahan")
+            held += kahan[1].held_bytes([local(p) for p in kahan_params]) + kahan[2].held_bytes(
+                [local(self._compensation_buffers[p]) for p in kahan_params if p in self._compensation_buffers])
+        buffers = list(self._compensation_buffers.values()) + list(self._masters.values())
         return held + sum(sharding.local_part(b).numel() * b.element_size() for b in buffers)
 
     @torch.optim.Optimizer.profile_hook_step   # runs the step hooks (register_step_pre_hook ...)
@@ -356,7 +374,8 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
             self._store(masters, self.fmt, "nearest")
         if kahan:
             self.prepare_buffers()
-            self._kahan([local(p) for p in kahan], [local(self._compensation_buffers[p]) for p in kahan])
+            self._kahan([local(p) for p in kahan], [local(self._compensation_buffers[p]) for p in kahan],
+                        adopt=not sharding.any_sharded(kahan))   # (FSDP2 keeps its pieces in storage of its own)
         for rounding in ROUNDING_MODES:
             chosen = self.params_with(rounding)
             if chosen:
@@ -369,14 +388,15 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
                         states.append(value)
             self._store(states, self.state_format, self.state_rounding)
 
-    def _kahan(self, params: list, buffers: list) -> None:
+    def _kahan(self, params: list, buffers: list, adopt: bool = True) -> None:
         """Kahan compensation, element by element: the target ``p + buf`` rounded to the grid is
         stored, the residual (exact: both are within an ulp) kept in the buffer, on its own grid
-        when it has one. Several float32 tensors are done end to end in two flat work tensors
-        kept from step to step (the same bits: every operation is elementwise), in a few calls
-        and with nothing allocated; anything else tensor by tensor."""
-        work = self._kahan_work(params, buffers)
-        if work is None:
+        when it has one. Float32 tensors on one device are done in place in two flat tensors,
+        where the parameters and the buffers live from step to step (two packs that adopt
+        them, unless ``adopt`` is false): four passes, nothing copied or allocated. Anything else
+        tensor by tensor."""
+        flat = self._kahan_flat(params, buffers, adopt)
+        if flat is None:
             targets = torch._foreach_add(params, buffers)     # what the weights should be, residual included
             stored = [quantize(t, self.fmt, overflow=self.overflow) for t in targets]
             residual = torch._foreach_sub(targets, stored)
@@ -385,33 +405,29 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
             torch._foreach_copy_(buffers, residual)
             torch._foreach_copy_(params, stored)
             return
-        target, stored, target_views, stored_views = work
-        torch.cat([p.view(-1) for p in params], out=target)
-        torch.cat([b.view(-1) for b in buffers], out=stored)
-        target.add_(stored)                       # p + buf
-        quantize_(stored.copy_(target), self.fmt, overflow=self.overflow)
-        residual = target.sub_(stored)            # exact
+        (p_pack, p_flat), (b_pack, b_flat) = flat
+        b_flat.add_(p_flat)                                        # the target p + buf
+        quantize_(p_flat.copy_(b_flat), self.fmt, overflow=self.overflow)   # stored
+        b_flat.sub_(p_flat)                                        # the residual, exact
         if self.compensation_format is not None:
-            quantize_(residual, self.compensation_format)
-        torch._foreach_copy_(buffers, target_views)
-        torch._foreach_copy_(params, stored_views)
+            quantize_(b_flat, self.compensation_format)
+        p_pack.put_back(params)     # nothing to do while they live in the packs
+        b_pack.put_back(buffers)
 
-    def _kahan_work(self, params: list, buffers: list):
-        """Two flat float32 tensors as long as ``params`` together and, per tensor, views of
-        them in its shape; None when the tensors are not all contiguous float32 on one device
-        (or only one)."""
-        tensors = params + buffers
-        if len(params) < 2 or not all(t.dtype == torch.float32 and t.is_contiguous() and t.device == params[0].device
-                                      for t in tensors):
-            return None
-        shapes = tuple(tuple(p.shape) for p in params)
-        work = self.__dict__.get("_kahan_flat")
-        if work is None or work[0] != shapes or work[1][0].device != params[0].device:
-            sizes = [p.numel() for p in params]
-            flat = [torch.empty(sum(sizes), dtype=torch.float32, device=params[0].device) for _ in range(2)]
-            views = [[x.view(s) for x, s in zip(f.split(sizes), shapes)] for f in flat]
-            work = self._kahan_flat = (shapes, (flat[0], flat[1], views[0], views[1]))
-        return work[1]
+    def _kahan_flat(self, params: list, buffers: list, adopt: bool = True):
+        """``((pack, flat), (pack, flat))`` of the parameters and of their buffers, each laid
+        end to end in a pack that adopts them (:meth:`Pack.flat <lowprec_demo.packing.Pack.flat>`);
+        None unless all are contiguous float32 tensors on one device."""
+        key = tuple(map(id, params))
+        kept = self.__dict__.get("_kahan_packs")
+        if kept is None or kept[0] != key:
+            if not all(t.dtype == torch.float32 and t.is_contiguous() and t.device == params[0].device
+                       for t in params + buffers):
+                return None
+            kept = self._kahan_packs = (key, Pack(range(len(params)), params), Pack(range(len(buffers)), buffers))
+            self._forget_packs(key, "kahan")
+        _, p_pack, b_pack = kept
+        return (p_pack, p_pack.flat(params, adopt)), (b_pack, b_pack.flat(buffers, adopt))
 
     def prepare_buffers(self) -> None:
         """Make the Kahan compensation buffers (zeros) that the first step would make."""

@@ -5,12 +5,15 @@ A kernel call costs a few microseconds whatever its size, and a model has many s
 are split into runs (:func:`group`): every large tensor alone, the small ones together, and each
 run becomes a :class:`Pack`, which lays its tensors out in flat buffers so that one kernel call
 serves them all. :class:`lowprec_demo.optimizer.LowPrecisionOptimizer` rounds its packs in place
-(the tensors copied into the pack's buffer, rounded, copied back);
+in the pack's buffer: the tensors live there (:meth:`Pack.flat` with ``adopt=True`` makes each
+tensor's ``.data`` a view of the buffer), so a step copies nothing;
 :class:`lowprec_demo.prediction.StepTracker` keeps a snapshot buffer per pack and compares it with
 the tensors' new values, laid out alike.
 
 Example:
-    >>> import torch
+    >>> import weakref
+
+import torch
     >>> a, b = torch.ones(3), torch.full((2, 2), 2.0)
     >>> [p.indices for p in packs([a, b, torch.zeros(1 << 16)])]
     [[0, 1], [2]]
@@ -21,6 +24,7 @@ Example:
 
 from __future__ import annotations
 
+import weakref
 from typing import List, Optional, Sequence
 
 import torch
@@ -105,6 +109,7 @@ class Pack:
         self._codes: Optional[torch.Tensor] = None
         self._tags: Optional[torch.Tensor] = None
         self._block_tensor: Optional[torch.Tensor] = None
+        self._homes: Optional[tuple] = None   # where adopted tensors live: their views' data pointers
 
     def zeros(self) -> torch.Tensor:
         """A new buffer of this pack's length, dtype and device, all zeros."""
@@ -114,22 +119,45 @@ class Pack:
         """The pieces of a buffer in this pack's layout, shaped like the tensors."""
         return [v[:n].view(shape) for v, n, shape in zip(buffer.split(self.spans), self.sizes, self.shapes)]
 
-    def flat(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    def flat(self, tensors: Sequence[torch.Tensor], adopt: bool = False) -> torch.Tensor:
         """The tensors' current values, flat, in this pack's layout: one tensor itself, flat (a
         view where it is contiguous), several copied into a buffer the pack keeps from call to
-        call (with the same zeros in the gaps)."""
+        call (with the same zeros in the gaps).
+
+        With ``adopt=True`` the tensors move into the buffer: each one's ``.data`` becomes its
+        view there (values unchanged), and while they stay (:meth:`at_home`) the buffer is
+        returned with nothing copied, and :meth:`put_back` has nothing to do. A tensor given new
+        storage since (``model.to``, ``p.data = ...``) is copied in and adopted again. Only
+        tensors that own their whole storage, one storage each (or live in the buffer already),
+        are adopted: a view of a larger tensor, or two tensors sharing memory, would be parted
+        from what they share. Otherwise
+        the values are copied in and back as without ``adopt``."""
         if not self.several:
             return tensors[0].reshape(-1)
         if self._flat is None:
             self._flat = self.zeros()
             self._flat_views = self.views(self._flat)
+        if self._homes is not None and self.at_home(tensors):
+            return self._flat
         copy_into(self._flat_views, list(tensors))
+        self._homes = None
+        if adopt and _movable(tensors, self._flat_views):
+            with torch.no_grad():
+                for t, view in zip(tensors, self._flat_views):
+                    t.data = view
+                    _ADOPTED[id(t)] = (weakref.ref(t, lambda _, key=id(t): _ADOPTED.pop(key, None)), view.data_ptr())
+            self._homes = tuple(v.data_ptr() for v in self._flat_views)
         return self._flat
+
+    def at_home(self, tensors: Sequence[torch.Tensor]) -> bool:
+        """Whether ``tensors`` (several) live in this pack's buffer, adopted by :meth:`flat`."""
+        return self._homes is not None and tuple(map(torch.Tensor.data_ptr, tensors)) == self._homes
 
     def put_back(self, tensors: Sequence[torch.Tensor]) -> None:
         """Copy the buffer of :meth:`flat` back into the tensors (after in-place work on it;
-        nothing to do for one tensor, whose flat view is the tensor itself)."""
-        if self.several:
+        nothing to do for one tensor, whose flat view is the tensor itself, or for tensors
+        that live in the buffer)."""
+        if self.several and not self.at_home(tensors):
             copy_into(list(tensors), self._flat_views)
 
     def codes(self) -> torch.Tensor:
@@ -159,9 +187,31 @@ class Pack:
                 torch.tensor(self.spans, device=self.device) // self.block)
         return torch.bincount(self._block_tensor, weights=blocks, minlength=len(self.sizes))
 
-    def held_bytes(self) -> int:
-        """The memory this pack keeps from call to call: its buffer, codes and tags."""
-        return sum(t.numel() * t.element_size() for t in (self._flat, self._codes, self._tags) if t is not None)
+    def held_bytes(self, tensors: Optional[Sequence[torch.Tensor]] = None) -> int:
+        """The memory this pack keeps from call to call: its buffer (unless ``tensors`` live in
+        it: then it is theirs), codes and tags."""
+        home = tensors is not None and self.several and self.at_home(tensors)
+        own = (self._codes, self._tags) if home else (self._flat, self._codes, self._tags)
+        return sum(t.numel() * t.element_size() for t in own if t is not None)
+
+
+_ADOPTED: dict = {}   # id of a tensor a pack adopted: (a weak reference to it, where the pack put it)
+
+
+def _movable(tensors: Sequence[torch.Tensor], homes: Sequence[torch.Tensor]) -> bool:
+    """Whether each tensor lives in a pack's buffer (this one's or another's: memory that only
+    adopted tensors use), or is the whole of its own storage, shared with none of the others."""
+    pointers = set()
+    for t, home in zip(tensors, homes):
+        where = t.data_ptr()
+        adopted = _ADOPTED.get(id(t))
+        if where == home.data_ptr() or (adopted is not None and adopted[0]() is t and adopted[1] == where):
+            continue
+        storage = t.untyped_storage()
+        if t.storage_offset() != 0 or storage.nbytes() != t.numel() * t.element_size() or storage.data_ptr() in pointers:
+            return False
+        pointers.add(storage.data_ptr())
+    return True
 
 
 def packs(tensors: Sequence[torch.Tensor], block: int = 1) -> List[Pack]:

@@ -165,9 +165,9 @@ def test_kahan_recovers_lost_updates():
     assert on_grid(kahan, "bf16")
 
 
-def test_kahan_in_flat_work_tensors_is_kahan_tensor_by_tensor():
-    # contiguous float32 tensors are compensated end to end in two flat work tensors; a strided one
-    # sends the step tensor by tensor: weights and buffers the same bits both ways, both buffers
+def test_kahan_in_flat_tensors_is_kahan_tensor_by_tensor():
+    # contiguous float32 tensors are compensated end to end in two flat tensors, where weights and
+    # buffers live; a strided one sends the step tensor by tensor: the same bits both ways, both buffers
     torch.manual_seed(0)
     values = [torch.randn(5, 3), torch.randn(7), torch.randn(3, 4)]
     grads = [[torch.randn_like(v) * 10.0 ** -k for v in values] for k in range(2, 6) for _ in range(5)]
@@ -190,6 +190,76 @@ def test_kahan_in_flat_work_tensors_is_kahan_tensor_by_tensor():
         flat, by_tensor = run(False, buffer), run(True, buffer)
         assert all(torch.equal(a, b) for a, b in zip(flat, by_tensor)), buffer
         assert any(b.any() for b in flat[3:])       # the buffers hold residuals
+
+
+def _storages(tensors):
+    return {t.untyped_storage().data_ptr() for t in tensors}
+
+
+def _rounded_sgd_run(model, steps, opt=None):
+    """``steps`` SGD steps on ``model``: through ``opt`` (a LowPrecisionOptimizer), or plain SGD
+    then every parameter rounded to bf16 with quantize (the reference, no packs)."""
+    inner = opt or torch.optim.SGD(model.parameters(), lr=0.3)
+    if opt is None:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(lp.quantize(p, "bf16"))
+    for s in steps:
+        step_once(model, inner, s)
+        if opt is None:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.copy_(lp.quantize(p, "bf16"))
+
+
+def test_small_parameters_live_in_their_pack_with_the_same_bits():
+    # the small tensors are rounded in one pack, whose buffer they live in from the start: a step
+    # copies nothing in or out, and the weights are those of rounding each tensor alone
+    model, reference = small_model(), small_model()
+    opt = LowPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.3), "bf16")
+    params = list(model.parameters())
+    home = _storages(params)
+    assert len(home) == 1 and opt.held_bytes() == 0      # one buffer, and it is theirs
+    _rounded_sgd_run(model, range(4), opt)
+    _rounded_sgd_run(reference, range(4))
+    assert _storages(params) == home
+    assert all(torch.equal(p.view(torch.int32), q.view(torch.int32)) for p, q in zip(params, reference.parameters()))
+    # a parameter given new storage is copied in and lives there again; the values are kept
+    with torch.no_grad():
+        params[0].data = params[0].data.clone()
+    assert len(_storages(params)) == 2
+    _rounded_sgd_run(model, range(4, 6), opt)
+    _rounded_sgd_run(reference, range(4, 6))
+    assert len(_storages(params)) == 1
+    assert all(torch.equal(p.view(torch.int32), q.view(torch.int32)) for p, q in zip(params, reference.parameters()))
+
+
+def test_parameters_sharing_memory_are_not_moved():
+    # two parameters that are views of one tensor stay views of it (moving them into a pack would
+    # part them): their values are copied in and back, and rounded all the same
+    base = torch.randn(12)
+    a, b = torch.nn.Parameter(base[:5]), torch.nn.Parameter(base[5:])
+    opt = LowPrecisionOptimizer(torch.optim.SGD([a, b], lr=1e-2), "bf16")
+    assert a.untyped_storage().data_ptr() == base.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    assert torch.equal(base, lp.quantize(base, "bf16"))
+    a.grad, b.grad = torch.ones(5), torch.ones(7)
+    opt.step()
+    assert torch.equal(base[:5], a.detach()) and torch.equal(base, lp.quantize(base, "bf16"))
+    assert opt.held_bytes() == 12 * 4    # the pack's buffer is its own memory here
+
+
+def test_kahan_weights_and_buffers_live_in_two_flat_tensors():
+    # Kahan keeps no work tensors: the weights and the buffers each live in one flat tensor, so
+    # it holds the buffers and nothing more
+    model = small_model()
+    opt = LowPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=1e-4), "bf16", compensation="kahan")
+    for s in range(3):
+        step_once(model, opt, s)
+    params = list(model.parameters())
+    buffers = [opt._compensation_buffers[p] for p in params]
+    assert len(_storages(params)) == 1 and len(_storages(buffers)) == 1 and _storages(params) != _storages(buffers)
+    assert opt.held_bytes() == sum(p.numel() * 4 for p in params)
+    assert any(b.any() for b in buffers)
 
 
 def test_lr_scheduler_and_zero_grad():
