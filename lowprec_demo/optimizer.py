@@ -157,6 +157,14 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
     LR schedulers, ``zero_grad``, ``add_param_group`` and ``state_dict``/``load_state_dict``
     behave as for the inner optimizer; ``param_groups`` and ``state`` are the inner optimizer's.
 
+    Storage: the small parameters (below :data:`lowprec_demo.packing.SMALL_NUMEL` elements) that
+    are rounded together (with ``state_format``, their optimizer state too), and the weights and
+    buffers of Kahan compensation, are moved into one flat buffer per group, where they stay: each one's ``.data`` becomes a view of it, with the
+    same values, so that a step rounds the group in one call and copies nothing. The parameter
+    objects are the same; a tensor taken from ``p.data`` before wrapping no longer shares memory
+    with ``p``. Parameters that are views of a larger tensor, or share memory with one another,
+    are not moved (their values are copied in and back each step), nor are FSDP2's pieces.
+
     The parameters may be FSDP2's sharded ones (``fully_shard``: DTensors placed ``Shard(0)``,
     or ``Replicate()`` then ``Shard(0)`` for HSDP): each process rounds its own block of rows,
     stochastic rounding with the random bits one process would draw for those elements
