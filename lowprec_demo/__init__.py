@@ -23,7 +23,7 @@ Example:
 import torch
 
 from .formats import FORMAT_NAMES, FloatFormat, format_table, get_format
-from .optimizer import LowPrecisionOptimizer, attach_plan, bytes_per_parameter, select_params
+from .optimizer import LowPrecisionOptimizer, bytes_per_parameter, select_params
 from .agreement import mask_mismatch, stratified_chance_mismatch
 from .prediction import (FreezeObserver, FreezePredictor, FreezeRecord, freeze_order, freeze_step,
                          steps_agree)
@@ -35,6 +35,7 @@ from .training import Task, train_formats, train_variants
 from .experiments import experiment_names, make_config, run_experiment, run_formats, sweep
 from .watch import Diagnosis, FreezeWatch, load_watch, watch
 from .freeze_plan import FreezePlan, load_plan
+from .integrations import attach_plan
 from .remedies import RemedyComparison, compare_remedies
 from .version import __version__
 

@@ -23,7 +23,7 @@ in order of need: those that cannot move, then those frozen now, then by forecas
 the smaller first at a tie.
 
 ``LowPrecisionOptimizer(optimizer, fmt, plan=plan)`` applies a plan, and
-:func:`~lowprec_demo.optimizer.attach_plan` applies one to an optimizer a training loop already
+:func:`~lowprec_demo.integrations.attach_plan` applies one to an optimizer a training loop already
 steps (the callbacks' ``plan_after=k``).
 
 Example:

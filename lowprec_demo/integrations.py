@@ -22,7 +22,7 @@ With ``plan_after=k`` either callback also acts on what the watch saw: after k o
 of the float32 run it makes a :class:`~lowprec_demo.freeze_plan.FreezePlan` (``plan_format``,
 the watch's first format by default; ``plan_budget`` extra bytes per parameter), saves it
 (``freeze_plan.json`` beside the report), applies it to the trainer's optimizer with
-:func:`~lowprec_demo.optimizer.attach_plan` (from step k on, every tensor is stored in that
+:func:`attach_plan` (from step k on, every tensor is stored in that
 format with its remedy) and saves the watch's report and detaches the watch, whose prediction
 ends there (``callback.plan`` and ``callback.plan_optimizer`` hold the plan and what applies it).
 """
@@ -30,11 +30,58 @@ ends there (``callback.plan`` and ``callback.plan_optimizer`` hold the plan and 
 from __future__ import annotations
 
 import os
+from typing import Optional
 
-from .optimizer import attach_plan
+import torch
+
+from .freeze_plan import FreezePlan
+from .optimizer import LowPrecisionOptimizer
+from .rounding import GeneratorLike
 from .watch import watch
 
-__all__ = ["hf_callback", "lightning_callback"]
+__all__ = ["attach_plan", "hf_callback", "lightning_callback"]
+
+
+def attach_plan(optimizer: torch.optim.Optimizer, plan: FreezePlan, model: Optional[torch.nn.Module] = None,
+                generator: GeneratorLike = None) -> LowPrecisionOptimizer:
+    """Apply ``plan`` to an optimizer that a training loop keeps stepping itself (a Trainer's):
+    the tensors it names are rounded onto the plan's grid now, and from then on every
+    ``optimizer.step()`` stores them with their remedies, through the optimizer's step hooks.
+    Returns the :class:`LowPrecisionOptimizer` that does it (for
+    :func:`~lowprec_demo.optimizer.bytes_per_parameter` and ``state_dict``; do not step it as
+    well); ``detach_plan()`` on it removes the hooks.
+
+    Example:
+        >>> from lowprec_demo.freeze_plan import FreezePlan
+        >>> lin = torch.nn.Linear(2, 1)
+        >>> opt = torch.optim.SGD(lin.parameters(), lr=1e-3)
+        >>> lp_opt = attach_plan(opt, FreezePlan("bf16", {"weight": "master", "bias": "nearest"}), model=lin)
+        >>> lp_opt.remedy_of(lin.weight)
+        'master'
+    """
+    if isinstance(optimizer, LowPrecisionOptimizer):
+        raise TypeError("attach_plan takes the plain optimizer the loop steps; this one is a LowPrecisionOptimizer "
+                        "already")
+    wrapper = LowPrecisionOptimizer(optimizer, plan.format if isinstance(plan, FreezePlan) else "bf16",
+                                    generator=generator, plan=plan, model=model)
+
+    def before(opt, args, kwargs):
+        with torch.no_grad():
+            wrapper.before_inner_step()
+
+    def after(opt, args, kwargs):
+        with torch.no_grad():
+            wrapper.after_inner_step()
+
+    handles = [optimizer.register_step_pre_hook(before), optimizer.register_step_post_hook(after)]
+
+    def detach_plan() -> None:
+        for h in handles:
+            h.remove()
+        handles.clear()
+
+    wrapper.detach_plan = detach_plan
+    return wrapper
 
 
 def _log_values(w) -> dict:

@@ -48,7 +48,7 @@ from .formats import FloatFormat, check_overflow_policy, get_format
 from .freeze_plan import FreezePlan, resolve_plan
 from .rounding import ROUNDING_MODES, GeneratorLike, quantize, quantize_
 
-__all__ = ["LowPrecisionOptimizer", "select_params", "bytes_per_parameter", "attach_plan", "PARAM_SELECTIONS",
+__all__ = ["LowPrecisionOptimizer", "select_params", "bytes_per_parameter", "PARAM_SELECTIONS",
            "COMPENSATIONS"]
 
 PARAM_SELECTIONS = ("all", "matrices")
@@ -159,11 +159,12 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
 
     Storage: the small parameters (below :data:`lowprec_demo.packing.SMALL_NUMEL` elements) that
     are rounded together (with ``state_format``, their optimizer state too), and the weights and
-    buffers of Kahan compensation, are moved into one flat buffer per group, where they stay: each one's ``.data`` becomes a view of it, with the
-    same values, so that a step rounds the group in one call and copies nothing. The parameter
-    objects are the same; a tensor taken from ``p.data`` before wrapping no longer shares memory
-    with ``p``. Parameters that are views of a larger tensor, or share memory with one another,
-    are not moved (their values are copied in and back each step), nor are FSDP2's pieces.
+    buffers of Kahan compensation, move into one flat buffer per group, where they stay: each
+    one's ``.data`` becomes a view of it, with the same values, so that a step rounds the group
+    in one call and copies nothing. The parameter objects are the same; a tensor taken from
+    ``p.data`` before wrapping no longer shares memory with ``p``. Parameters that are views of
+    a larger tensor, or share memory with one another, are not moved (their values are copied in
+    and back at each step), nor are FSDP2's pieces.
 
     The parameters may be FSDP2's sharded ones (``fully_shard``: DTensors placed ``Shard(0)``,
     or ``Replicate()`` then ``Shard(0)`` for HSDP): each process rounds its own block of rows,
@@ -360,21 +361,23 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         """One step of the inner optimizer, then store the selected parameters in low precision.
         Step hooks registered on this optimizer run before and after the whole step, rounding
         included."""
-        self._before_inner()
+        self.before_inner_step()
         loss = self.optimizer.step(closure)
-        self._after_inner()
+        self.after_inner_step()
         return loss
 
-    def _before_inner(self) -> None:
-        """What precedes the inner optimizer's step: the master copies go into the parameters."""
+    def before_inner_step(self) -> None:
+        """What precedes the inner optimizer's step: the master copies go into the parameters.
+        :meth:`step` calls it; so do the hooks of :func:`~lowprec_demo.integrations.attach_plan`,
+        around a step the loop makes itself (call it without grad)."""
         masters = self.params_with("master")
         if masters:   # the step starts from the master copy (gradients are the rounded weights')
             local = sharding.local_part    # (a sharded parameter's own piece; a plain tensor itself)
             torch._foreach_copy_([local(p) for p in masters], [local(self._masters[p]) for p in masters])
 
-    def _after_inner(self) -> None:
+    def after_inner_step(self) -> None:
         """What follows the inner optimizer's step: every low-precision parameter stored with its
-        remedy, then the state on its grid."""
+        remedy, then the state on its grid (called as :meth:`before_inner_step` is)."""
         local = sharding.local_part
         masters, kahan = self.params_with("master"), self.params_with("kahan")
         if masters:
@@ -566,44 +569,3 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
             extra += ", plan=" + "/".join(f"{r} {c}" for r, c in counts.items() if c)
         return (f"LowPrecisionOptimizer({self.optimizer.__class__.__name__}, fmt={self.fmt.name!r}, "
                 f"rounding={self.rounding!r}, params={len(self.lowprec_params)} tensors{state}{extra})")
-
-
-def attach_plan(optimizer: torch.optim.Optimizer, plan: FreezePlan, model: Optional[torch.nn.Module] = None,
-                generator: GeneratorLike = None) -> LowPrecisionOptimizer:
-    """Apply ``plan`` to an optimizer that a training loop keeps stepping itself (a Trainer's):
-    the tensors it names are rounded onto the plan's grid now, and from then on every
-    ``optimizer.step()`` stores them with their remedies, through the optimizer's step hooks.
-    Returns the :class:`LowPrecisionOptimizer` that does it (for :func:`bytes_per_parameter` and
-    ``state_dict``; do not step it as well); ``detach_plan()`` on it removes the hooks.
-
-    Example:
-        >>> from lowprec_demo.freeze_plan import FreezePlan
-        >>> lin = torch.nn.Linear(2, 1)
-        >>> opt = torch.optim.SGD(lin.parameters(), lr=1e-3)
-        >>> lp_opt = attach_plan(opt, FreezePlan("bf16", {"weight": "master", "bias": "nearest"}), model=lin)
-        >>> lp_opt.remedy_of(lin.weight)
-        'master'
-    """
-    if isinstance(optimizer, LowPrecisionOptimizer):
-        raise TypeError("attach_plan takes the plain optimizer the loop steps; this one is a LowPrecisionOptimizer "
-                        "already")
-    wrapper = LowPrecisionOptimizer(optimizer, plan.format if isinstance(plan, FreezePlan) else "bf16",
-                                    generator=generator, plan=plan, model=model)
-
-    def before(opt, args, kwargs):
-        with torch.no_grad():
-            wrapper._before_inner()
-
-    def after(opt, args, kwargs):
-        with torch.no_grad():
-            wrapper._after_inner()
-
-    handles = [optimizer.register_step_pre_hook(before), optimizer.register_step_post_hook(after)]
-
-    def detach_plan() -> None:
-        for h in handles:
-            h.remove()
-        handles.clear()
-
-    wrapper.detach_plan = detach_plan
-    return wrapper

@@ -11,9 +11,7 @@ tensor's ``.data`` a view of the buffer), so a step copies nothing;
 the tensors' new values, laid out alike.
 
 Example:
-    >>> import weakref
-
-import torch
+    >>> import torch
     >>> a, b = torch.ones(3), torch.full((2, 2), 2.0)
     >>> [p.indices for p in packs([a, b, torch.zeros(1 << 16)])]
     [[0, 1], [2]]
@@ -128,16 +126,15 @@ class Pack:
         view there (values unchanged), and while they stay (:meth:`at_home`) the buffer is
         returned with nothing copied, and :meth:`put_back` has nothing to do. A tensor given new
         storage since (``model.to``, ``p.data = ...``) is copied in and adopted again. Only
-        tensors that own their whole storage, one storage each (or live in the buffer already),
-        are adopted: a view of a larger tensor, or two tensors sharing memory, would be parted
-        from what they share. Otherwise
-        the values are copied in and back as without ``adopt``."""
+        tensors that own their whole storage, one storage each (or live in a pack's buffer
+        already), are adopted: a view of a larger tensor, or two tensors sharing memory, would be
+        parted from what they share. Those are copied in and back as without ``adopt``."""
         if not self.several:
             return tensors[0].reshape(-1)
         if self._flat is None:
             self._flat = self.zeros()
             self._flat_views = self.views(self._flat)
-        if self._homes is not None and self.at_home(tensors):
+        if self.at_home(tensors):
             return self._flat
         copy_into(self._flat_views, list(tensors))
         self._homes = None

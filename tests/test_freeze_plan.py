@@ -8,7 +8,8 @@ import torch
 
 import lowprec_demo as lp
 from lowprec_demo.freeze_plan import PLAN_REMEDIES, FreezePlan, kahan_buffer_format, load_plan
-from lowprec_demo.optimizer import LowPrecisionOptimizer, attach_plan, bytes_per_parameter
+from lowprec_demo.integrations import attach_plan
+from lowprec_demo.optimizer import LowPrecisionOptimizer, bytes_per_parameter
 
 from test_watch import _ConvLayerNorm
 
