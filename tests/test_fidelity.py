@@ -640,3 +640,25 @@ def test_real_and_simulated_runs_both_and_checks_its_arguments():
         real_and_simulated(fmt="e4m3")
     with pytest.raises(ValueError, match="adamw, sgd"):
         real_and_simulated(optimizer="lion")
+
+
+def test_the_fidelity_pages_count_of_elements_the_two_loops_put_apart():
+    """book/fidelity.md: chapter 9's 64,000 bf16 weights (seed 0), one SGD step at lr 1e-3, as one
+    tensor (the vector loop) and as 4,000 tensors of 16 elements (the scalar loop, where the block is
+    wider than 16): they end apart on 582 elements, and AdamW's on none."""
+    if vector_width() <= 16:
+        pytest.skip(f"this CPU's block is {vector_width()} elements: 16-element tensors take the vector loop here")
+    gen = torch.Generator().manual_seed(0)
+    w0 = (torch.randn(64_000, generator=gen) * torch.exp2(torch.randint(-8, 4, (64_000,), generator=gen).float())).bfloat16()
+    grad = (torch.randn(64_000, generator=gen) * torch.exp2(torch.randint(-14, 2, (64_000,), generator=gen).float())).bfloat16()
+    apart = {}
+    with torch_threads(1):
+        for name, make in (("SGD", torch.optim.SGD), ("AdamW", torch.optim.AdamW)):
+            one = torch.nn.Parameter(w0.clone())
+            pieces = [torch.nn.Parameter(c.clone()) for c in w0.split(16)]
+            for params, grads in (([one], [grad]), (pieces, grad.split(16))):
+                for param, piece_grad in zip(params, grads):
+                    param.grad = piece_grad.clone()
+                make(params, lr=1e-3).step()
+            apart[name] = int((one.detach() != torch.cat([p.detach() for p in pieces])).sum())
+    assert apart == {"SGD": 582, "AdamW": 0}
