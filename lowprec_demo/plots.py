@@ -218,17 +218,17 @@ def plot_frozen(result, ax=None, threshold: Optional[float] = None, show_sr: boo
     ax.axhline(threshold, color="0.6", lw=0.8, ls=":")
     # The freeze steps as vertical lines, labelled low down to the right of their line, where the
     # curves (above the threshold after it) leave room; the two labels on separate heights.
-    # The earlier of the two is labelled on the left of its line, the later on the right.
+    # Both labelled on the right of their lines (where the curves, frozen by then, run near the
+    # top), the earlier one higher, so the two never share a line of text.
     marks = [(step, color, name) for step, color, name in (
         (result.predicted_freeze_step(threshold), COLORS["predicted"], "predicted"),
         (result.observed_freeze_step("nearest", threshold) if "nearest" in result.runs else None,
          COLORS["nearest"], "observed")) if step is not None]
     marks.sort(key=lambda m: m[0])
     for k, (step, color, name) in enumerate(marks):
-        left = k == 0 and len(marks) == 2
         ax.axvline(step, color=color, ls=":", lw=1.2)
-        ax.annotate(f"{name}: step {step}", (step, 0.04 + 0.09 * k), xycoords=("data", "axes fraction"),
-                    textcoords="offset points", xytext=(-4 if left else 4, 0), ha="right" if left else "left",
+        ax.annotate(f"{name}: step {step}", (step, 0.04 + 0.09 * (len(marks) - 1 - k)),
+                    xycoords=("data", "axes fraction"), textcoords="offset points", xytext=(4, 0),
                     color=color, fontsize=8)
     ax.set_ylim(-0.02, 1.02)
     ax.set_xlabel("step")
