@@ -245,26 +245,44 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _report(args: argparse.Namespace) -> int:
-    """``report PATH``: the table of a saved watch, and with ``--plot`` its figure."""
+    """``report PATH``: the table of a saved watch, and with ``--plot`` its figure. A file that
+    is not a readable freeze-watch report, and a ``--plot`` that cannot be written, end the
+    command with one line saying why and exit status 2."""
     import json
 
     from .watch import WatchReport
     fail = args.report_parser
+    if os.path.isdir(args.path):
+        return _fail(fail, f"{args.path}: is a directory, not a saved report (give the JSON file watch.save wrote)")
     try:
         with open(args.path) as f:
-            report = WatchReport(json.load(f))
-        report.summary(args.fmt)
+            data = json.load(f)
     except FileNotFoundError:
         return _fail(fail, f"{args.path}: no such file")
-    except (ValueError, KeyError) as exc:   # not JSON, not a watch report, or a format it does not hold
-        return _fail(fail, f"{args.path}: {exc}")
+    except OSError as exc:
+        return _fail(fail, f"{args.path}: cannot read it ({exc.strerror or exc})")
+    except ValueError as exc:     # not JSON (or not text)
+        return _fail(fail, f"{args.path}: not a JSON file ({exc})")
+    try:
+        report = WatchReport(data)
+        text = report.summary(args.fmt, show=False)
+    except (ValueError, KeyError, TypeError) as exc:   # not a watch report, or a format it does not hold
+        message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        return _fail(fail, f"{args.path}: {message}")
+    print(text)
     if args.plot:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
         ax = report.plot(args.fmt)
-        ax.figure.savefig(args.plot, dpi=120, bbox_inches="tight")
-        plt.close(ax.figure)
+        try:
+            ax.figure.savefig(args.plot, dpi=120, bbox_inches="tight")
+        except OSError as exc:
+            return _fail(fail, f"--plot {args.plot}: cannot write it ({exc.strerror or exc})")
+        except ValueError as exc:      # a file type matplotlib does not write
+            return _fail(fail, f"--plot {args.plot}: {exc}")
+        finally:
+            plt.close(ax.figure)
         print(f"wrote {args.plot}")
     return 0
 

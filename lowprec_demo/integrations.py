@@ -13,7 +13,9 @@ Lightning::
 
 Each callback attaches the watch when training starts (to the trainer's model, optimizer and
 learning-rate scheduler, with the run's length), adds the overall frozen fraction of every format
-to the trainer's logs, and detaches when training ends, saving the report (by default as
+to the trainer's logs (Hugging Face: ``frozen_bf16`` and so on in every log, so in
+``trainer.state.log_history`` and the reporting integrations such as TensorBoard, which is why
+the callback runs first among the Trainer's callbacks), and detaches when training ends, saving the report (by default as
 ``freeze_watch.json`` in the trainer's output or log folder). The watch is ``callback.watch``.
 The packages are optional: each function raises ImportError naming the package when it is
 missing.
@@ -25,11 +27,15 @@ the watch's first format by default; ``plan_budget`` extra bytes per parameter),
 :func:`attach_plan` (from step k on, every tensor is stored in that
 format with its remedy) and saves the watch's report and detaches the watch, whose prediction
 ends there (``callback.plan`` and ``callback.plan_optimizer`` hold the plan and what applies it).
+A plan that could not be made then (parameters stored in bf16 or another low-precision dtype, a
+``plan_format`` the watch does not predict, no run length) raises ValueError when training
+starts, before the first step.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from typing import Optional
 
 import torch
@@ -38,6 +44,7 @@ from .freeze_plan import FreezePlan
 from .optimizer import LowPrecisionOptimizer
 from .rounding import GeneratorLike
 from .watch import watch
+from .watch_report import watch_format
 
 __all__ = ["attach_plan", "hf_callback", "lightning_callback"]
 
@@ -98,12 +105,42 @@ def _check_plan_options(plan_after, plan_budget) -> None:
 
 
 class _Planner:
-    """What both callbacks do at ``plan_after``: plan, save, apply, stop watching."""
+    """What both callbacks do at ``plan_after``: plan, save, apply, stop watching. Its options are
+    checked when the callback is made, and against the run (:meth:`check`) when the watch is
+    attached, before the first step: a plan that cannot be made fails then, not after
+    ``plan_after`` steps of work."""
 
     def __init__(self, plan_after, plan_format, plan_budget, plan_path) -> None:
         _check_plan_options(plan_after, plan_budget)
+        if plan_format is not None:
+            plan_format = watch_format(plan_format).name   # a ValueError names the valid formats
         self.after, self.format, self.budget, self.path = plan_after, plan_format, plan_budget, plan_path
         self.plan = self.plan_optimizer = None
+
+    def check(self, w, model) -> None:
+        """Raise ValueError now if the plan could not be made at ``plan_after`` on this run: the
+        watch must predict (float32 or float64 parameters, the plain optimizer), for the plan's
+        format, with a known run length."""
+        if self.after is None:
+            return
+        if w.mode != "predict":
+            watched = set(w.names)
+            low = [(n, p.dtype) for n, p in model.named_parameters()
+                   if n in watched and p.dtype not in (torch.float32, torch.float64)]
+            where = (f"the trained parameters are stored in {', '.join(sorted({str(d) for _, d in low}))} "
+                     f"(e.g. {low[0][0]})" if low else
+                     "the optimizer is a LowPrecisionOptimizer, which keeps the parameters on its grid already")
+            raise ValueError(f"plan_after={self.after}: a freeze plan is made from the updates of a float32 run (the "
+                             f"watch in prediction mode), but {where}. Allowed: parameters in torch.float32 or "
+                             f"torch.float64 under a plain torch optimizer; train in float32 (e.g. load the model with "
+                             f"dtype=torch.float32) to plan, or leave plan_after out to watch this run")
+        fmt = self.format if self.format is not None else w.formats[0]
+        if fmt not in w.formats:
+            raise ValueError(f"plan_format={fmt!r} is not one of the formats the watch predicts "
+                             f"({', '.join(w.formats)}); add it to formats=... or choose one of those")
+        if w.total_steps is None:
+            raise ValueError(f"plan_after={self.after}: the plan needs the run's length (its forecast runs to the end "
+                             f"of the run), and the trainer gives none: set a number of steps (max_steps)")
 
     def maybe_apply(self, w, steps_done: int, model, report_path) -> None:
         if self.after is None or self.plan is not None or w is None or steps_done < self.after:
@@ -116,6 +153,27 @@ class _Planner:
         self.plan_optimizer = attach_plan(w.optimizer, self.plan, model=model)
         w.save(report_path)
         w.detach()
+
+
+def _run_first(callback) -> None:
+    """Put ``callback`` first in the Trainer's list of callbacks, from its first event on: the
+    values it adds to the logs in ``on_log`` then reach the reporting integrations
+    (TensorBoard, W&B, ...), which the Trainer calls before the callbacks a user passes. The
+    list is that of the ``CallbackHandler`` calling the event (a frame up); where none is found,
+    the order stays as it is."""
+    frame = sys._getframe(1)
+    for _ in range(4):
+        frame = frame.f_back
+        if frame is None:
+            return
+        handler = frame.f_locals.get("self")
+        callbacks = getattr(handler, "callbacks", None)
+        if isinstance(callbacks, list) and any(c is callback for c in callbacks):
+            # moved to the front while the handler iterates the list: the callbacks after it keep their
+            # places, so each is still called once
+            callbacks.remove(callback)
+            callbacks.insert(0, callback)
+            return
 
 
 def hf_callback(path=None, plan_after=None, plan_format=None, plan_budget=1.0, plan_path=None, **watch_options):
@@ -152,9 +210,16 @@ def hf_callback(path=None, plan_after=None, plan_format=None, plan_budget=1.0, p
             return planner.plan_optimizer
 
         def on_train_begin(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs):
+            _run_first(self)
             self.target = path if path is not None else os.path.join(args.output_dir, "freeze_watch.json")
             self.watch = watch(model, optimizer, scheduler=lr_scheduler, total_steps=state.max_steps or None,
                                path=self.target, **watch_options)
+            try:
+                planner.check(self.watch, model)
+            except ValueError:
+                self.watch.path = None       # nothing was watched: no report to leave behind
+                self.watch.detach()
+                raise
 
         def on_step_end(self, args, state, control, model=None, **kwargs):
             if planner.plan is None and planner.after is not None and state.global_step >= planner.after:
@@ -162,8 +227,15 @@ def hf_callback(path=None, plan_after=None, plan_format=None, plan_budget=1.0, p
                 self.watch = None
 
         def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs is not None:
-                logs.update(_log_values(self.watch))
+            values = _log_values(self.watch)
+            if logs is None or not values:
+                return
+            # the Trainer keeps a copy of these logs in state.log_history before the callbacks run
+            last = state.log_history[-1] if state.log_history else None
+            if last is not None and last.get("step") == state.global_step and \
+                    all(last.get(k) is v or last.get(k) == v for k, v in logs.items()):
+                last.update(values)
+            logs.update(values)     # in place: the callbacks after this one (TensorBoard, the printer) see them
 
         def on_train_end(self, args, state, control, **kwargs):
             if self.watch is not None:
@@ -219,6 +291,12 @@ def lightning_callback(path=None, plan_after=None, plan_format=None, plan_budget
                                                                      "freeze_watch.json")
             self.watch = watch(pl_module, trainer.optimizers[0], scheduler=scheduler, total_steps=total,
                                path=self.target, **watch_options)
+            try:
+                planner.check(self.watch, pl_module)
+            except ValueError:
+                self.watch.path = None       # nothing was watched: no report to leave behind
+                self.watch.detach()
+                raise
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             if planner.plan is None and planner.after is not None and trainer.global_step >= planner.after:

@@ -55,6 +55,8 @@ Example:
 from __future__ import annotations
 
 import math
+import sys
+import warnings
 from dataclasses import asdict
 from typing import Dict, List, Optional, Sequence
 
@@ -73,11 +75,13 @@ from .watch_diagnoses import DIAGNOSIS_KINDS, Diagnosis, diagnose
 from .watch_forecast import EDGES, check_schedule, schedule_length, unwrap_scheduler
 from .watch_forecast import MEMORY as _MEMORY    # the forecast histogram's moving average, kept in after_step
 from .watch_forecast import RECENT as _RECENT, RatioTrend
-from .watch_report import WatchReport, jsonable, load_watch
+from .watch_report import WatchReport, jsonable, load_watch, watch_format
 
 # (Diagnosis, DIAGNOSIS_KINDS, WatchReport, load_watch, DTYPE_FORMATS and format_of_dtype are
 # importable from here too; each is documented in the module that defines it)
 __all__ = ["watch", "FreezeWatch"]
+
+UNKNOWN_RUN = 1000     # watched steps taken for a run of unknown length, when deciding to compile up front
 
 
 def _inner(optimizer):
@@ -116,9 +120,19 @@ class FreezeWatch:
             raise ValueError(f"sample must be a whole number of elements per tensor >= 1, or None (all), got {sample!r}")
         if not isinstance(patience, int) or patience < 1:
             raise ValueError(f"patience must be a whole number of watched steps >= 1, got {patience!r}")
-        if isinstance(formats, (str, FloatFormat)):
+        if isinstance(save_every, bool) or not isinstance(save_every, int) or save_every < 1:
+            raise ValueError(f"save_every must be a whole number of watched steps >= 1, got {save_every!r}")
+        if total_steps is not None and (isinstance(total_steps, bool) or not isinstance(total_steps, int)
+                                        or total_steps < 1):
+            raise ValueError(f"total_steps must be the run's length, a whole number of optimizer steps >= 1, or "
+                             f"None; got {total_steps!r}")
+        if writer is not None and not callable(getattr(writer, "add_scalar", None)):
+            raise TypeError(f"writer must be a TensorBoard SummaryWriter (anything with add_scalar), got "
+                            f"{type(writer).__name__}")
+        if isinstance(formats, (str, FloatFormat, torch.dtype)):
             formats = [formats]
-        self.formats_given = [get_format(f) for f in formats]    # a ValueError names the valid formats
+        # names, FloatFormats or torch dtypes; a ValueError names the valid formats
+        self.formats_given = [watch_format(f) for f in formats]
         self.optimizer = _inner(optimizer)
         if not isinstance(self.optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -144,6 +158,11 @@ class FreezeWatch:
                 self._group[names[id(p)]] = gi
         if not self._params:
             raise ValueError("the optimizer has no parameters to watch")
+        if not any(p.requires_grad for p in self._params.values()):
+            warnings.warn(f"none of the {len(self._params)} parameters the optimizer holds requires grad, so none "
+                          f"will get a gradient and nothing will train: the watch will see every tensor idle. Set "
+                          f"requires_grad=True on the ones to train (e.g. model.requires_grad_()), or give the "
+                          f"optimizer those that do", UserWarning, stacklevel=3)
         self.names = list(self._params)
         self.sizes = {n: p.numel() for n, p in self._params.items()}
 
@@ -190,6 +209,8 @@ class FreezeWatch:
         self._state_values: Dict[tuple, float] = {}
         self._stuck_counters: Dict[tuple, int] = {}
         self.path, self.save_every, self.writer = path, save_every, writer
+        self._save_warned = False
+        self._compile_checked = False
         self._bar = progress_bar(range(self.total_steps or 0), desc="freeze watch", disable=not progress) \
             if progress else None
         self._handles = [self.optimizer.register_step_pre_hook(self.before_step),
@@ -255,7 +276,18 @@ class FreezeWatch:
         if self._bar is not None and hasattr(self._bar, "set_postfix_str"):
             self._bar.set_postfix_str(", ".join(f"{f} frozen {self.records[f].overall[-1]:.2f}" for f in self.formats))
         if self.path is not None and len(self.steps) % self.save_every == 0:
+            self._save_quietly()
+
+    def _save_quietly(self) -> None:
+        """Save to ``path`` during training or on detach: a report that cannot be written is a
+        warning (once), not the end of the run; the measurements stay, for ``save`` elsewhere."""
+        try:
             self.save(self.path)
+        except OSError as error:
+            if not self._save_warned:
+                self._save_warned = True
+                warnings.warn(f"{error}; training goes on and the watch keeps its measurements: call "
+                              f"watch.save(other_path) to write them elsewhere", RuntimeWarning, stacklevel=2)
 
     def _add_rows(self, names: List[str], rows: List[torch.Tensor]) -> None:
         for n, seen in zip(names, rows):
@@ -275,9 +307,15 @@ class FreezeWatch:
         log_lr = torch.log2(lrs.clamp(min=1e-300)).to(torch.float32).to(new.device)
         log_lr = log_lr.reshape(()) if same else log_lr
         local = []
+        compile_now = self._compile_up_front(old)
         for fmt in self.formats_given:
             if kernels.fits(old, fmt):
-                code, moves = kernels.watch_code(old, new, grad, plan.tensor_id, log_lr, fmt, float(EDGES[0]), bins)
+                previous = kernels.set_mode("on") if compile_now else None
+                try:
+                    code, moves = kernels.watch_code(old, new, grad, plan.tensor_id, log_lr, fmt, float(EDGES[0]), bins)
+                finally:
+                    if previous is not None:
+                        kernels.set_mode(previous)
             else:   # the same rule through the public functions
                 update = new - old
                 code = watch_code(would_freeze(old, update, fmt), update_ulp_ratio(old, update, fmt).float(), grad,
@@ -312,6 +350,27 @@ class FreezeWatch:
                     self.frozen_with_grad[n].append(frozen_grad[j] / counted[j])
             rows[fmt.name] = [(n, frozen[j], counted[j], moved[j]) for j, n in enumerate(self.tracked)]
         self._append(rows)
+
+    def _compile_up_front(self, old: torch.Tensor) -> bool:
+        """At the first watched step of prediction mode, in the kernels' ``"auto"`` mode: whether
+        to compile the watch's kernel now. ``"auto"`` compiles a kernel once its eager work
+        reaches :data:`~lowprec_demo.kernels.EAGER_BUDGET` elements, which on a large model comes
+        part way through the run, a pause of seconds with no word; when this run's watched
+        elements (per watched step, times the watched steps left, or :data:`UNKNOWN_RUN` of them
+        when the run's length is unknown) would reach it, the kernel is compiled at the first
+        step instead, and one line on stderr says so."""
+        if self._compile_checked:
+            return False
+        self._compile_checked = True
+        if kernels.get_mode() != "auto" or not any(kernels.fits(old, f) for f in self.formats_given):
+            return False
+        left = UNKNOWN_RUN if self.total_steps is None else -(-max(0, self.total_steps - self.steps[-1]) // self.every)
+        if old.numel() * left <= kernels.EAGER_BUDGET:
+            return False
+        if old.device.type not in kernels.status()["kernels"]["watch_code"]["compiled"]:
+            print(f"freeze watch: compiling its kernel now, once per process (seconds): {left:,} watched steps of "
+                  f"{old.numel():,} elements would compile it part way through the run", file=sys.stderr, flush=True)
+        return True
 
     def _append(self, rows: Dict[str, list]) -> None:
         """One point of every record: per tensor the fraction of its followed elements, overall
@@ -367,7 +426,7 @@ class FreezeWatch:
         if self._bar is not None and hasattr(self._bar, "close"):
             self._bar.close()
         if self.path is not None:
-            self.save(self.path)
+            self._save_quietly()
         return self
 
     def __enter__(self) -> "FreezeWatch":
@@ -381,7 +440,7 @@ class FreezeWatch:
     def record(self, fmt=None) -> FreezeRecord:
         """The :class:`~lowprec_demo.prediction.FreezeRecord` of a format (the first when None):
         per watched step the frozen fraction overall and by tensor (predicted or observed)."""
-        name = self.formats[0] if fmt is None else get_format(fmt).name
+        name = self.formats[0] if fmt is None else watch_format(fmt).name
         if name not in self.records:
             raise KeyError(f"no record for {name}; this watch records: {', '.join(self.formats)}")
         return self.records[name]
@@ -519,17 +578,22 @@ class FreezeWatch:
             import torch.distributed as dist
             if dist.get_rank() != 0:
                 return
-        atomic_write_json(path, jsonable(self.to_dict()))
+        data = jsonable(self.to_dict())
+        try:
+            atomic_write_json(path, data)
+        except OSError as error:     # it may name the temporary file beside the target: name the target
+            reason = error.strerror or str(error)
+            raise type(error)(f"cannot save the freeze watch's report to {path}: {reason}") from error
 
     def summary(self, fmt=None, show: bool = True) -> str:
         """The table (tensor, size, format, frozen now, frozen since, forecast, diagnosis),
         printed unless ``show=False``, and returned."""
-        return WatchReport(jsonable(self.to_dict())).summary(fmt, show=show)
+        return WatchReport(jsonable(self.to_dict())).summary(None if fmt is None else watch_format(fmt), show=show)
 
     def plot(self, fmt=None, ax=None):
         """The frozen fraction of each group of tensors over the watched steps, the forecast
         dashed to the end of the run (prediction mode)."""
-        return WatchReport(jsonable(self.to_dict())).plot(fmt, ax=ax)
+        return WatchReport(jsonable(self.to_dict())).plot(None if fmt is None else watch_format(fmt), ax=ax)
 
 
 def watch(model: torch.nn.Module, optimizer, formats: Sequence = ("bf16",), scheduler=None, every: int = 1,
@@ -542,20 +606,29 @@ def watch(model: torch.nn.Module, optimizer, formats: Sequence = ("bf16",), sche
         optimizer: any ``torch.optim`` optimizer, a LowPrecisionOptimizer, or a wrapper holding one
             as ``.optimizer``.
         formats: the formats to predict for float32 parameters (names such as ``"bf16"``,
-            ``"fp16"``, ``"e4m3"``, ``"e8m5"``); parameters stored in a low-precision dtype are
-            observed in their own format instead.
+            ``"fp16"``, ``"e4m3"``, ``"e8m5"``, or the torch dtypes that store them:
+            ``torch.bfloat16``, ``torch.float16``, the float8 dtypes); parameters stored in a
+            low-precision dtype are observed in their own format instead. Every method that
+            takes a format takes the same.
         scheduler: the learning-rate schedule, for the forecast: a ``torch.optim.lr_scheduler``
             scheduler, a callable step -> lr, the list of learning rates, or None (constant).
         every: watch one optimizer step in ``every``.
         threshold: the frozen fraction that defines a freeze step, in (0, 1].
         total_steps: the run's length (for the forecast), when the schedule does not say it.
         patience: watched steps a tensor must stay held before it is diagnosed.
-        path: save the report there every ``save_every`` watched steps and on ``detach()``.
+        path: save the report there every ``save_every`` watched steps and on ``detach()``; a
+            save that fails there is a warning (once), and training goes on.
         writer: a TensorBoard ``SummaryWriter``: frozen fractions written as scalars.
         progress: a progress bar with the frozen fraction (needs ``total_steps``).
         sample: follow at most this many elements of each tensor (evenly strided, the same ones
             every step; smaller tensors in full), or None for all of them: the cost of a watched
             step then stays a small part of a training step however large the model.
+
+    Options are checked here, so that a mistake ends the call rather than a run part way; a
+    warning says when no parameter the optimizer holds requires grad (nothing would train).
+    In the kernels' ``"auto"`` mode, a run whose watched elements would compile the watch's
+    kernel part way through compiles it at the first watched step instead, with one line on
+    stderr.
     """
     return FreezeWatch(model, optimizer, formats, scheduler, every, threshold, total_steps, patience, path,
                        save_every, writer, progress, sample)

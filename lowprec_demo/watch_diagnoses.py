@@ -4,14 +4,17 @@ the remedy.
 Each kind of :data:`DIAGNOSIS_KINDS` has its rule:
 
 * ``cannot_move`` / ``frozen``: a tensor with a gradient held still (at least :data:`LOCKED` of
-  it) on each of the last ``patience`` watched steps; ``cannot_move`` in prediction mode when
-  that has held since the first watched step, with the learning rate it would need;
+  it) on each of the last ``patience`` watched steps: ``cannot_move`` when that has held on
+  every watched step since the first (in both modes; in prediction mode with the learning rate
+  it would need), ``frozen`` when it moved before;
 * ``weight_decay``: decoupled weight decay with ``lr * weight_decay`` below half the relative gap
   ``2^-(m+1)``, so that ``w (1 - lr wd)`` rounds back to ``w``;
 * ``state_decay``: an optimizer moving average stored in a format where ``beta * v`` rounds back
   to ``v``;
 * ``counter``: a float step counter that stopped counting, or will at ``2^(m+1)`` within the run;
 * ``idle``: a tensor, or rows of an embedding, with no gradient on any watched step.
+
+:func:`group_lines` writes them for a reader: one line for the tensors that share a diagnosis.
 
 :func:`diagnose` takes a :class:`~lowprec_demo.watch.FreezeWatch` and reads what it measured
 through its public methods; ``FreezeWatch.diagnoses()`` answers with it.
@@ -34,7 +37,7 @@ from .optimizer import LowPrecisionOptimizer
 from .rounding import decay_rounds_back
 from .watch_forecast import update_ratios
 
-__all__ = ["Diagnosis", "DIAGNOSIS_KINDS", "LOCKED", "diagnose"]
+__all__ = ["Diagnosis", "DIAGNOSIS_KINDS", "LOCKED", "diagnose", "group_lines"]
 
 DIAGNOSIS_KINDS = ("cannot_move", "weight_decay", "state_decay", "counter", "idle", "frozen")
 LOCKED = 0.99            # "cannot move" / "frozen": at least this fraction of a tensor held still
@@ -84,6 +87,15 @@ def diagnose(watch) -> List[Diagnosis]:
                     f"rounding."),
                     {"format": f, "frozen": min(held), "steps": span, "ratio_p99": top, "max_lr": lr,
                      "moves_above_lr": 0.5 / top if top else math.inf, "with_gradient": min(with_grad)}))
+                continue
+            if always:      # observed: held on every watched step
+                out.append(Diagnosis("cannot_move", n, (
+                    f"{n} ({watch.sizes[n]:,} elements) cannot move in {f}: on every one of the {span} watched steps "
+                    f"at least {min(held):.1%} of it was unchanged by the step, while at least {min(with_grad):.0%} "
+                    f"of its elements had a nonzero gradient: its updates are below half the gap of its stored "
+                    f"values. Remedy: keep it in float32 (master weights), or use stochastic rounding."),
+                    {"format": f, "frozen": min(held), "steps": span, "since_start": True,
+                     "with_gradient": min(with_grad)}))
                 continue
             verb = "would have been" if watch.mode == "predict" else "has been"
             out.append(Diagnosis("frozen", n, (
@@ -200,7 +212,74 @@ def _idle(watch) -> List[Diagnosis]:
             never = int((~rows).sum())
             if never:
                 out.append(Diagnosis("idle", n, (
-                    f"{never} of the {rows.numel()} rows of {n} got no gradient on any watched step (for an "
-                    f"embedding: tokens that never occur); they are idle, not frozen."),
+                    f"{never} of the {rows.numel()} rows of {n} got no gradient on any watched step: no input "
+                    f"selected them where a loss was computed (a token that never occurs, or a position from which "
+                    f"no label is predicted, such as a position embedding's last); they are idle, not frozen."),
                     {"rows": rows.numel(), "idle_rows": never, "watched_steps": len(watch.steps)}))
     return out
+
+
+GROUPED = ("cannot_move", "frozen", "idle")     # the per-tensor kinds that group_lines gathers
+NAMES_SHOWN = 4                                 # tensor names written out in a group's line
+
+
+def group_lines(diagnoses) -> List[str]:
+    """The diagnoses as a reader takes them in: one line per diagnosis that stands alone, and one
+    line for the tensors that share one (the same kind, format and watched steps, e.g. the 28
+    tensors frozen in bf16 for the last 10 steps), naming the first :data:`NAMES_SHOWN` tensors
+    and the range of the numbers; the per-tensor messages stay in ``watch.diagnoses()`` and the
+    summary's table. Takes :class:`Diagnosis` objects or their dicts (a saved report's).
+    Example: ``group_lines([Diagnosis("idle", "w", "w got no gradient")])`` -> ``['[idle] w got no gradient']``."""
+    items = [d if isinstance(d, dict) else {"kind": d.kind, "tensor": d.tensor, "message": d.message,
+                                             "numbers": d.numbers} for d in diagnoses]
+    groups, order = {}, []
+    for d in items:
+        nums = d.get("numbers") or {}
+        if d["kind"] in GROUPED and d.get("tensor") is not None:
+            # an idle tensor (no gradient at all) and idle rows of an embedding are different findings
+            key = (d["kind"], nums.get("format"), nums.get("steps", nums.get("watched_steps")), "idle_rows" in nums)
+        else:
+            key = ("single", id(d))
+        if key not in groups:
+            groups[key] = []
+            order.append(key)
+        groups[key].append(d)
+    lines = []
+    for key in order:
+        members = groups[key]
+        if len(members) == 1:
+            d = members[0]
+            lines.append(f"[{d['kind']}] {d['message']}")
+            continue
+        lines.append(_group_line(key, members))
+    return lines
+
+
+def _group_line(key, members: List[dict]) -> str:
+    kind, fmt, steps, rows = key
+    names = [d["tensor"] for d in members]
+    shown = ", ".join(names[:NAMES_SHOWN]) + (f", ... and {len(names) - NAMES_SHOWN} more" if len(names) > NAMES_SHOWN
+                                               else "")
+    nums = [d["numbers"] for d in members]
+
+    def lowest(key):
+        values = [x[key] for x in nums if isinstance(x.get(key), (int, float))]
+        return min(values) if values else math.nan
+
+    head = f"[{kind}] {len(members)} tensors: {shown}"
+    if kind == "cannot_move":
+        return (f"{head}. They cannot move in {fmt}: on every one of the {steps} watched steps at least "
+                f"{lowest('frozen'):.1%} of each was held (updates below half the gap of its stored values), while "
+                f"their gradients are not zero. Remedy: keep them in float32 (master weights), or use stochastic "
+                f"rounding.")
+    if kind == "frozen":
+        return (f"{head}. Each held in {fmt} for the last {steps} watched steps (at least {lowest('frozen'):.1%} "
+                f"unchanged by every step, updates below half a gap), while at least {lowest('with_gradient'):.0%} of "
+                f"its elements had a nonzero gradient. Remedy: float32 master weights, or stochastic rounding.")
+    if rows:
+        idle = sum(x.get("idle_rows", 0) for x in nums)
+        return (f"{head}. {idle:,} of their rows got no gradient on any of the {steps} watched steps: no input selected "
+                f"them where a loss was computed (a token that never occurs, or a position from which no label is "
+                f"predicted); they are idle, not frozen.")
+    return (f"{head}. None got a gradient on any of the {steps} watched steps: they are idle, not frozen (are they "
+            f"used in the forward pass, or detached?).")

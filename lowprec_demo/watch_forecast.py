@@ -139,14 +139,16 @@ def check_schedule(scheduler) -> None:
 
 def schedule_length(scheduler) -> Optional[int]:
     """The run's length in steps where the schedule says it: a list's length, OneCycleLR's
-    ``total_steps``, CosineAnnealingLR's ``T_max + 1``; else None.
+    ``total_steps``, CosineAnnealingLR's ``T_max`` (the steps over which it anneals: a run of
+    ``T_max`` optimizer steps, each followed by ``scheduler.step()``, ends where the cosine
+    reaches ``eta_min``); else None.
     Example: ``schedule_length([1e-3] * 100)`` -> ``100``."""
     if isinstance(scheduler, (list, tuple)):
         return len(scheduler)
-    for attr in ("total_steps", "T_max"):   # OneCycleLR; CosineAnnealingLR (its T_max steps, then step T_max)
+    for attr in ("total_steps", "T_max"):   # OneCycleLR; CosineAnnealingLR
         value = getattr(scheduler, attr, None)
-        if isinstance(value, int):
-            return value + (attr == "T_max")
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
     return None
 
 

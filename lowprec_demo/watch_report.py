@@ -17,9 +17,24 @@ from typing import Dict, List, Optional
 
 import torch
 
-from .formats import get_format
+from .formats import DTYPE_FORMATS, FloatFormat, get_format
+from .watch_diagnoses import group_lines
 
-__all__ = ["WatchReport", "load_watch", "jsonable"]
+__all__ = ["WatchReport", "load_watch", "jsonable", "watch_format"]
+
+
+def watch_format(fmt) -> FloatFormat:
+    """A format as the watch takes it: a name (``"bf16"``), a :class:`~lowprec_demo.formats.FloatFormat`,
+    or the torch dtype that stores it (``torch.bfloat16`` -> bf16, ``torch.float16`` -> fp16, the
+    float8 dtypes -> e4m3 and e5m2, ``torch.float32`` -> fp32), so that a format can be named the
+    way the model was cast. Example: ``watch_format(torch.bfloat16).name`` -> ``"bf16"``."""
+    if isinstance(fmt, torch.dtype):
+        names = {**DTYPE_FORMATS, torch.float32: "fp32"}
+        if fmt not in names:
+            raise ValueError(f"{fmt} stores no format the watch knows; the torch dtypes it takes: "
+                             f"{', '.join(str(d) for d in names)} (or a name such as 'bf16' or 'e8m5')")
+        fmt = names[fmt]
+    return get_format(fmt)
 
 
 def jsonable(x):
@@ -36,18 +51,63 @@ def jsonable(x):
     return x
 
 
+# what a saved report holds, as FreezeWatch.to_dict writes it (total_steps may be None)
+REPORT_KEYS = ("mode", "formats", "threshold", "steps", "sizes", "groups", "records", "frozen_since", "forecast",
+               "forecast_curves", "diagnoses")
+
+
+def check_report(data) -> None:
+    """Raise ValueError, in one line that names what is wrong, unless ``data`` is a freeze-watch
+    report whose parts agree: a JSON object of kind ``lowprec_demo.watch`` with every key of
+    :data:`REPORT_KEYS`, a record for each of its formats, and per tensor as many points as
+    watched steps. A report read from a file is checked before anything is printed from it."""
+    if not isinstance(data, dict):
+        raise ValueError(f"not a freeze-watch report: it holds a JSON {type(data).__name__}, not an object")
+    if data.get("kind") != "lowprec_demo.watch":
+        raise ValueError("not a freeze-watch report (its 'kind' is not 'lowprec_demo.watch')")
+    missing = [k for k in REPORT_KEYS if k not in data]
+    if missing:
+        raise ValueError(f"the report has no {', '.join(repr(k) for k in missing)} (a saved watch holds "
+                         f"{', '.join(REPORT_KEYS)})")
+    steps, sizes, records = data["steps"], data["sizes"], data["records"]
+    if not isinstance(steps, list) or not isinstance(sizes, dict) or not isinstance(records, dict) \
+            or not isinstance(data["formats"], list) or not data["formats"]:
+        raise ValueError("the report's 'steps' and 'formats' must be lists (formats not empty), its 'sizes' and "
+                         "'records' objects")
+    for f in data["formats"]:
+        rec = records.get(f)
+        if not isinstance(rec, dict) or not isinstance(rec.get("overall"), list) \
+                or not isinstance(rec.get("by_tensor"), dict):
+            raise ValueError(f"the report lists the format {f!r} but holds no record of it ('records' -> {f!r} "
+                             f"with 'overall' and 'by_tensor')")
+        if len(rec["overall"]) != len(steps):
+            raise ValueError(f"the sizes disagree: {len(steps)} watched steps but {len(rec['overall'])} points in "
+                             f"the {f} record's 'overall'")
+        for n in sizes:
+            points = rec["by_tensor"].get(n)
+            if not isinstance(points, list) or len(points) != len(steps):
+                got = "none" if not isinstance(points, list) else len(points)
+                raise ValueError(f"the sizes disagree: {len(steps)} watched steps but {got} points for the tensor "
+                                 f"{n!r} in the {f} record")
+        if f not in data["frozen_since"]:
+            raise ValueError(f"the report has no 'frozen_since' of the format {f!r}")
+    for group, members in data["groups"].items():
+        unknown = [n for n in members if n not in sizes]
+        if unknown:
+            raise ValueError(f"the group {group!r} names tensors the report has no size of: {', '.join(unknown[:3])}")
+
+
 class WatchReport:
     """A saved watch (:meth:`FreezeWatch.to_dict <lowprec_demo.watch.FreezeWatch.to_dict>`), with the
     same table and figure. Made by :func:`load_watch` and by ``python -m lowprec_demo report PATH``."""
 
     def __init__(self, data: dict) -> None:
-        if data.get("kind") != "lowprec_demo.watch":
-            raise ValueError("not a freeze-watch report (its 'kind' is not 'lowprec_demo.watch')")
+        check_report(data)
         self.data = data
 
     def _fmt(self, fmt) -> str:
         formats = self.data["formats"]
-        name = formats[0] if fmt is None else get_format(fmt).name
+        name = formats[0] if fmt is None else watch_format(fmt).name
         if name not in formats:
             raise KeyError(f"no record for {name}; this report holds: {', '.join(formats)}")
         return name
@@ -102,7 +162,7 @@ class WatchReport:
                          f"{r['diagnosis']}")
         if d["diagnoses"]:
             lines.append("")
-            lines += [f"[{x['kind']}] {x['message']}" for x in d["diagnoses"]]
+            lines += group_lines(d["diagnoses"])      # one line for the tensors that share a diagnosis
         text = "\n".join(lines)
         if show:
             print(text)

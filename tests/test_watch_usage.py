@@ -1,0 +1,386 @@
+"""The freeze watch as a user meets it: misconfiguration refused before any step of work, a
+report that cannot be saved (a warning; training goes on), the report command on malformed
+files, torch dtypes as formats, the run length of a cosine schedule, parameters that do not
+train, the Hugging Face values in the Trainer's history and TensorBoard, compiling up front,
+and grouped diagnoses. The trainers' tests use the real packages and are skipped, with the
+package named, when one is missing."""
+
+import json
+import warnings
+
+import pytest
+import torch
+
+import lowprec_demo as lp
+from lowprec_demo import kernels
+from lowprec_demo.cli import main
+from lowprec_demo.watch_diagnoses import Diagnosis, group_lines
+
+
+def tiny_model(seed=0, norms=1):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Embedding(20, 8), *[torch.nn.LayerNorm(8) for _ in range(norms)],
+                               torch.nn.Linear(8, 20))
+
+
+def train(model, opt, steps, sched=None):
+    g = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        x = torch.randint(0, 12, (16,), generator=g)
+        loss = torch.nn.functional.cross_entropy(model(x).float(), (x + 1) % 12)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if sched is not None:
+            sched.step()
+
+
+def gpt2_trainer(tmp_path, callback, dtype=torch.float32, steps=4, **options):
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed: pip install transformers")
+    config = transformers.GPT2Config(vocab_size=40, n_positions=16, n_embd=16, n_layer=1, n_head=2, bos_token_id=0,
+                                     eos_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).to(dtype)
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 40, (16, 16))]
+    settings = dict(output_dir=str(tmp_path), max_steps=steps, per_device_train_batch_size=4, learning_rate=1e-3,
+                    lr_scheduler_type="cosine", logging_steps=2, report_to=[], save_strategy="no", use_cpu=True,
+                    disable_tqdm=True)
+    settings.update(options)
+    args = transformers.TrainingArguments(**settings)
+    return transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[callback])
+
+
+# ---- misconfiguration: at construction or before the first step -------------------------------
+
+def test_bad_watch_options_fail_at_construction():
+    model = tiny_model()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    for bad in (0, -3, 1.5, True):
+        with pytest.raises(ValueError, match="save_every"):
+            lp.watch(model, opt, path="w.json", save_every=bad)
+    for bad in (0, 2.5):
+        with pytest.raises(ValueError, match="total_steps"):
+            lp.watch(model, opt, total_steps=bad)
+    with pytest.raises(TypeError, match="SummaryWriter"):
+        lp.watch(model, opt, writer="runs/")
+    assert not opt._optimizer_step_pre_hooks          # nothing was attached
+
+
+def test_plan_options_fail_when_the_callback_is_made():
+    pytest.importorskip("transformers", reason="transformers is not installed: pip install transformers")
+    from lowprec_demo.integrations import hf_callback
+    with pytest.raises(ValueError, match="valid names"):
+        hf_callback(plan_after=5, plan_format="bf17")
+    with pytest.raises(ValueError, match="plan_after"):
+        hf_callback(plan_after=0)
+
+
+def test_hf_plan_after_on_bf16_weights_fails_before_the_first_step(tmp_path):
+    pytest.importorskip("transformers", reason="transformers is not installed: pip install transformers")
+    from lowprec_demo.integrations import hf_callback
+    callback = hf_callback(plan_after=3)
+    trainer = gpt2_trainer(tmp_path, callback, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"plan_after=3.*torch\.bfloat16.*Allowed: parameters in torch\.float32"):
+        trainer.train()
+    assert trainer.state.global_step == 0                     # no step of work was lost
+    assert callback.watch.steps == [] and not (tmp_path / "freeze_watch.json").exists()
+    # a plan format the watch does not predict: the same, before the first step
+    callback = hf_callback(plan_after=2, plan_format="e4m3", formats=("bf16",))
+    trainer = gpt2_trainer(tmp_path / "b", callback)
+    with pytest.raises(ValueError, match="plan_format='e4m3'"):
+        trainer.train()
+    assert trainer.state.global_step == 0
+
+
+def test_lightning_plan_after_on_bf16_weights_fails_before_the_first_step(tmp_path):
+    try:
+        import lightning.pytorch as pl
+    except ImportError:
+        pl = pytest.importorskip("pytorch_lightning", reason="Lightning is not installed: pip install pytorch-lightning")
+    from lowprec_demo.integrations import lightning_callback
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = tiny_model().to(torch.bfloat16)
+
+        def training_step(self, batch, batch_idx):
+            (x,) = batch
+            return torch.nn.functional.cross_entropy(self.net(x).float(), (x + 1) % 12)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randint(0, 12, (64,))), batch_size=8)
+    callback = lightning_callback(path=tmp_path / "watch.json", plan_after=4)
+    trainer = pl.Trainer(max_steps=8, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[callback])
+    with pytest.raises(ValueError, match=r"torch\.bfloat16"):
+        trainer.fit(Module(), data)
+    assert trainer.global_step == 0 and callback.watch.steps == []
+
+
+# ---- saving -----------------------------------------------------------------------------------
+
+def test_an_unwritable_periodic_save_warns_once_and_training_goes_on(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    path = blocker / "watch.json"              # its folder is a file: no report can be written there
+    model = tiny_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    w = lp.watch(model, opt, path=path, save_every=2)
+    with pytest.warns(RuntimeWarning, match="cannot save the freeze watch's report to " + str(path)) as caught:
+        train(model, opt, 7)
+        w.detach()                               # the save on detach: the same warning, not again
+    assert w.steps == list(range(7))             # every step trained and watched
+    assert len([c for c in caught if issubclass(c.category, RuntimeWarning)]) == 1
+    target = tmp_path / "elsewhere.json"
+    w.save(target)                               # the measurements stayed: saved elsewhere
+    assert lp.load_watch(target).data["steps"] == list(range(7))
+
+
+def test_save_errors_name_the_target_not_a_temporary_file(tmp_path):
+    model = tiny_model()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    w = lp.watch(model, opt)
+    train(model, opt, 2)
+    target = tmp_path / "report.json"
+    target.mkdir()                               # a folder where the file should go: the rename fails
+    with pytest.raises(OSError) as error:
+        w.save(target)
+    assert str(target) in str(error.value) and ".tmp" not in str(error.value)
+    assert not list(tmp_path.glob(".*tmp"))      # no temporary file left behind
+
+
+# ---- the report command -----------------------------------------------------------------------
+
+@pytest.fixture
+def saved(tmp_path):
+    model = tiny_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    w = lp.watch(model, opt, total_steps=10)
+    train(model, opt, 3)
+    path = tmp_path / "watch.json"
+    w.save(path)
+    return path
+
+
+def report_error(capsys, *argv):
+    status = main(["report", *map(str, argv)])
+    out, err = capsys.readouterr()
+    lines = [line for line in err.splitlines() if "error:" in line]
+    return status, lines, err
+
+
+@pytest.mark.parametrize("case", ["list", "directory", "missing key", "sizes", "format record", "not json"])
+def test_report_command_names_what_is_wrong_in_one_line(case, saved, tmp_path, capsys):
+    data = json.loads(saved.read_text())
+    bad = tmp_path / "bad.json"
+    if case == "list":
+        bad.write_text(json.dumps([data]))
+        expect = "JSON list, not an object"
+    elif case == "directory":
+        bad = tmp_path / "folder"
+        bad.mkdir()
+        expect = "is a directory"
+    elif case == "missing key":
+        del data["records"]
+        bad.write_text(json.dumps(data))
+        expect = "has no 'records'"
+    elif case == "sizes":
+        tensor = next(iter(data["sizes"]))
+        data["records"]["bf16"]["by_tensor"][tensor].pop()
+        bad.write_text(json.dumps(data))
+        expect = f"sizes disagree: 3 watched steps but 2 points for the tensor '{tensor}'"
+    elif case == "format record":
+        data["formats"].append("e4m3")
+        bad.write_text(json.dumps(data))
+        expect = "holds no record of it"
+    else:
+        bad.write_text("{not json")
+        expect = "not a JSON file"
+    status, lines, err = report_error(capsys, bad)
+    assert status == 2 and len(lines) == 1 and expect in lines[0], err
+    assert "Traceback" not in err
+
+
+def test_report_command_unwritable_plot(saved, tmp_path, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    status, lines, err = report_error(capsys, saved, "--plot", blocker / "w.png")
+    assert status == 2 and len(lines) == 1 and "--plot" in lines[0] and "cannot write" in lines[0], err
+    status, lines, err = report_error(capsys, saved, "--plot", tmp_path / "w.unknown_type")
+    assert status == 2 and len(lines) == 1 and "--plot" in lines[0], err
+    assert main(["report", str(saved), "--plot", str(tmp_path / "w.png")]) == 0     # a good one still draws
+    assert (tmp_path / "w.png").stat().st_size > 1000
+
+
+# ---- formats as torch dtypes ------------------------------------------------------------------
+
+def test_torch_dtypes_are_formats_wherever_the_watch_takes_one():
+    model = tiny_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    w = lp.watch(model, opt, formats=(torch.bfloat16, torch.float16, "e8m5"), total_steps=20)
+    assert w.formats == ["bf16", "fp16", "e8m5"]
+    train(model, opt, 5)
+    assert w.record(torch.bfloat16) is w.record("bf16")
+    assert w.forecast(torch.bfloat16) == w.forecast("bf16")
+    assert w.frozen_since(torch.float16) == w.frozen_since("fp16")
+    assert w.plan(torch.float16).format == "fp16"
+    assert "(predict, fp16)" in w.summary(torch.float16, show=False)
+    other = tiny_model()
+    single = lp.watch(other, torch.optim.SGD(other.parameters(), lr=1e-3), formats=torch.bfloat16)
+    assert single.formats == ["bf16"]
+    if hasattr(torch, "float8_e4m3fn"):
+        assert lp.watch(model, opt, formats=(torch.float8_e4m3fn, torch.float8_e5m2)).formats == ["e4m3", "e5m2"]
+    with pytest.raises(ValueError, match=r"torch\.int8 stores no format.*torch\.bfloat16"):
+        lp.watch(model, opt, formats=(torch.int8,))
+    saved = lp.watch_report.WatchReport(lp.watch_report.jsonable(w.to_dict()))
+    assert saved.rows(torch.float16)[0]["format"] == "fp16"
+
+
+# ---- the run's length -------------------------------------------------------------------------
+
+def test_cosine_annealing_run_length_is_t_max():
+    model = tiny_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=300)
+    w = lp.watch(model, opt, scheduler=sched)
+    assert w.total_steps == 300
+    train(model, opt, 3, sched=sched)
+    curve = w.forecast_curves()["overall"]
+    assert max(curve) == 299                 # the last optimizer step of a 300-step run
+
+
+# ---- nothing to train -------------------------------------------------------------------------
+
+def test_a_warning_when_no_watched_parameter_requires_grad():
+    model = tiny_model().requires_grad_(False)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with pytest.warns(UserWarning, match="requires grad, so none will get a gradient and nothing will train"):
+        lp.watch(model, opt)
+    model[0].weight.requires_grad_(True)        # one that trains: no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lp.watch(model, opt)
+
+
+# ---- Hugging Face: the values in the history and in TensorBoard -------------------------------
+
+def test_hf_values_reach_log_history_and_tensorboard(tmp_path):
+    pytest.importorskip("transformers", reason="transformers is not installed: pip install transformers")
+    pytest.importorskip("tensorboard", reason="tensorboard is not installed: pip install tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from lowprec_demo.integrations import hf_callback
+    callback = hf_callback(formats=("bf16", "e8m5"))
+    trainer = gpt2_trainer(tmp_path, callback, report_to=["tensorboard"])
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "loss" in h]
+    assert [h["step"] for h in logged] == [2, 4]
+    for h in logged:
+        assert 0.0 <= h["frozen_bf16"] <= 1.0 and "frozen_e8m5" in h
+    assert logged[-1]["frozen_bf16"] == callback.watch.record("bf16").overall[-1]
+    events = list(tmp_path.rglob("events.out.tfevents.*"))
+    assert events, "the Trainer wrote no TensorBoard events"
+    tags = set()
+    for e in events:
+        acc = EventAccumulator(str(e))
+        acc.Reload()
+        tags |= set(acc.Tags()["scalars"])
+    assert "train/frozen_bf16" in tags and "train/frozen_e8m5" in tags, tags
+
+
+# ---- compiling up front -----------------------------------------------------------------------
+
+def test_auto_mode_compiles_the_watch_kernel_at_the_first_step_when_the_run_would(monkeypatch, capsys):
+    old = kernels._KERNELS["watch_code"]
+    monkeypatch.setitem(kernels._KERNELS, "watch_code", kernels._Kernel(old.fn, "watch_code"))
+    previous = kernels.set_mode("auto")
+    try:
+        monkeypatch.setattr(kernels, "EAGER_BUDGET", 5000)
+        model = tiny_model()
+        n = sum(p.numel() for p in model.parameters())
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        # a short run stays under the budget: eager, no word
+        short = lp.watch(model, opt, total_steps=2)
+        train(model, opt, 1)
+        assert "compiling" not in capsys.readouterr().err
+        assert kernels.status()["kernels"]["watch_code"]["calls"]["compiled"] == 0 and n * 2 < 5000
+        short.detach()
+        # a run whose watched elements would pass it part way: compiled at the first step, said once
+        w = lp.watch(model, opt, total_steps=100)
+        train(model, opt, 1)
+        err = capsys.readouterr().err
+        assert err.count("freeze watch: compiling its kernel now") == 1 and "100 watched steps" in err
+        state = kernels.status()["kernels"]["watch_code"]
+        assert "cpu" in state["compiled"] or "cpu" in state["failed"], state     # compiled (or no compiler here)
+        eager = state["calls"]["eager"]
+        train(model, opt, 3)
+        assert "compiling" not in capsys.readouterr().err
+        if "cpu" in state["compiled"]:
+            assert kernels.status()["kernels"]["watch_code"]["calls"]["eager"] == eager   # no mid-run compile
+        assert w.steps == [0, 1, 2, 3]
+    finally:
+        kernels.set_mode(previous)
+
+
+# ---- diagnoses --------------------------------------------------------------------------------
+
+def test_held_at_every_step_is_one_label_in_both_modes_and_grouped_in_one_line():
+    labels = {}
+    for mode, dtype in (("predict", torch.float32), ("observe", torch.bfloat16)):
+        model = tiny_model(norms=3).to(dtype)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        w = lp.watch(model, opt, patience=5)
+        train(model, opt, 8)
+        assert w.mode == mode
+        gains = {"1.weight", "2.weight", "3.weight"}           # LayerNorm gains at 1: held at every step
+        labels[mode] = {d.kind for d in w.diagnoses() if d.tensor in gains}
+        lines = w.summary(show=False).split("\n\n", 1)[1].splitlines()
+        held = [line for line in lines if line.startswith("[cannot_move] ") and "tensors:" in line]
+        assert len(held) == 1 and held[0].startswith("[cannot_move] 3 tensors: 1.weight, 2.weight, 3.weight"), lines
+        assert not any(line.startswith("[cannot_move] 1.weight") for line in lines)
+    assert labels == {"predict": {"cannot_move"}, "observe": {"cannot_move"}}
+
+
+def test_group_lines_keeps_lone_diagnoses_and_groups_by_kind_format_and_steps():
+    def frozen(name, fmt, steps=10):
+        return Diagnosis("frozen", name, f"{name} frozen", {"format": fmt, "frozen": 0.995, "steps": steps,
+                                                            "with_gradient": 1.0})
+    found = [frozen(f"h.{i}.attn.c_attn.weight", "bf16") for i in range(28)] + [frozen("wte.weight", "e4m3"),
+                                                                                 frozen("h.0.ln_1.weight", "bf16", 4)]
+    found.append(Diagnosis("weight_decay", None, "weight decay cannot act", {"format": "bf16"}))
+    lines = group_lines(found)
+    assert len(lines) == 4
+    assert lines[0].startswith("[frozen] 28 tensors: h.0.attn.c_attn.weight, h.1.attn.c_attn.weight, "
+                               "h.2.attn.c_attn.weight, h.3.attn.c_attn.weight, ... and 24 more")
+    assert "bf16" in lines[0] and "99.5%" in lines[0]
+    assert lines[1:] == ["[frozen] wte.weight frozen", "[frozen] h.0.ln_1.weight frozen",
+                         "[weight_decay] weight decay cannot act"]
+
+
+def test_idle_rows_reason_fits_positions_as_well_as_tokens():
+    class Positions(torch.nn.Module):
+        """A position embedding whose last position predicts no label, as in a language model."""
+
+        def __init__(self):
+            super().__init__()
+            self.wpe = torch.nn.Embedding(6, 4)
+            self.head = torch.nn.Linear(4, 3)
+
+        def forward(self):
+            h = self.wpe(torch.arange(6))
+            return self.head(h[:-1])             # no label is predicted from the last position
+
+    torch.manual_seed(0)
+    model = Positions()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    w = lp.watch(model, opt)
+    for _ in range(3):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(), torch.zeros(5, dtype=torch.long)).backward()
+        opt.step()
+    idle = [d for d in w.diagnoses() if d.kind == "idle" and d.tensor == "wpe.weight"]
+    assert idle and idle[0].numbers["idle_rows"] == 1
+    assert "no label is predicted" in idle[0].message and "a token that never occurs" in idle[0].message
+    assert "tokens that never occur)" not in idle[0].message
