@@ -176,26 +176,27 @@ class WatchReport:
         rec, sizes = d["records"][f], d["sizes"]
         if ax is None:
             _, ax = plt.subplots(figsize=(8, 4))
+        from .plots import series_style
+
         curves = d["forecast_curves"].get(f, {})
+        ahead = sorted(int(s) for s in curves.get("overall", {}))
         groups = {"all": list(sizes), **d["groups"]}
         for i, (group, members) in enumerate(groups.items()):
             total = sum(sizes[n] for n in members)
             past = [sum(rec["by_tensor"][n][t] * sizes[n] for n in members) / total for t in range(len(d["steps"]))]
-            color = "k" if group == "all" else f"C{i}"
-            ax.plot(d["steps"], past, color=color, lw=2 if group == "all" else 1.3,
+            color = "k" if group == "all" else series_style(i - 1)["color"]
+            ax.plot(d["steps"], past, color=color, lw=2.2 if group == "all" else 1.6,
                     label=f"{group} ({total:,} elements)")
-            if curves:
-                ahead = sorted(int(s) for s in curves["overall"])
-                if ahead:
-                    fut = [sum(curves[n][str(s)] * sizes[n] for n in members) / total for s in ahead]
-                    ax.plot(ahead, fut, color=color, lw=1.3, ls="--")
+            if ahead:
+                fut = [sum(curves[n][str(s)] * sizes[n] for n in members) / total for s in ahead]
+                ax.plot(ahead, fut, color=color, lw=1.6, ls=(0, (5, 2)))
         ax.axhline(d["threshold"], color="0.6", lw=0.8, ls=":")
         if d.get("total_steps"):
             ax.set_xlim(0, d["total_steps"])
         ax.set_ylim(-0.02, 1.02)
         ax.set_xlabel("step")
         ax.set_ylabel(f"fraction frozen ({'predicted' if d['mode'] == 'predict' else 'observed'})")
-        ax.set_title(f"freeze watch, {f}" + (" (dashed: forecast)" if curves else ""), fontsize=10)
+        ax.set_title(f"freeze watch, {f}" + (" (dashed: forecast)" if ahead else ""), fontsize=10)
         ax.legend(frameon=False, fontsize=8)
         return ax
 

@@ -366,8 +366,12 @@ def test_summary_rows_and_plot():
     assert "e8m4" in w.summary("e8m4", show=False).splitlines()[2]
     ax = w.plot()
     assert len(ax.lines) >= 2 * (1 + len(w.groups()))       # measured and forecast, per group
+    assert "dashed: forecast" in ax.get_title() and any(ln.get_linestyle() == "--" for ln in ax.lines)
     d = w.to_dict()
     assert set(d["forecast_curves"]["bf16"]["overall"]) == {str(s) for s in range(10, steps)}
+    train(model, opt, steps - 10, sched=sched)         # the run's end: nothing left to forecast
+    ax = w.plot()
+    assert "forecast" not in ax.get_title() and not any(ln.get_linestyle() == "--" for ln in ax.lines)
 
 
 def test_dtype_formats():
