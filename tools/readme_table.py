@@ -68,7 +68,7 @@ def table(values: dict) -> str:
         gap_text = "0" if name == "fp32" else f"{gap:+.4f}"
         nbytes = values.get(f"ch9_bytes_{name}")
         time = values.get(f"ch9_time_{name}")
-        lines.append(f"| {label} | {gap_text} | {'' if nbytes is None else f'{nbytes:g}'} | "
+        lines.append(f"| {label} | {gap_text} | {'' if nbytes is None else f'{nbytes:.3g}'} | "
                      f"{'' if time is None else f'{time:.2f}'} |")
     return "\n".join(lines)
 
