@@ -284,7 +284,8 @@ def plot_baselines(result, ax=None, threshold: Optional[float] = None, title: Op
     ax.set_xlabel("step")
     ax.set_ylabel("fraction of elements not moved")
     ax.set_title(title or f"{result.experiment}, {result.format}: predictors against the observed freeze")
-    ax.legend(frameon=False, fontsize=7, loc="best")
+    # six curves with their errors: the legend below the axes, in two columns, off the curves
+    ax.legend(frameon=False, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=2)
     return ax
 
 
