@@ -176,7 +176,7 @@ def provenance_label(result) -> str:
 def plot_losses(result, ax=None, variants: Optional[Iterable[str]] = None, log: bool = True, smooth: int = 1,
                 mark_freeze: bool = True, title: Optional[str] = None):
     """Training loss per step of each variant on one axes; the predicted freeze step as a
-    dashed line.
+    dotted line.
 
     Example: ``plot_losses(run_experiment("quadratic", progress=False))``."""
     ax = _ax(ax)

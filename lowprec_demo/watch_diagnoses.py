@@ -161,11 +161,15 @@ def _state_decay(watch) -> List[Diagnosis]:
             if decay_rounds_back(beta, name) and (key, name) not in seen:
                 seen.add((key, name))
                 tensors = [t for t in watch.tracked if key in watch.optimizer_state(t)]
+                lower = 2.0 ** -(m + 2)
+                where = ("on every value" if 1 - beta < lower else
+                         "on the values just above a power of two, whose relative half gap is smallest")
                 out.append(Diagnosis("state_decay", None, (
-                    f"the optimizer state {key!r} is stored in {name}, and its moving average cannot decay: "
-                    f"1 - beta = {1 - beta:.3g} is below half the relative gap 2^-{m + 1} = {2.0 ** -(m + 1):.2e}, so "
-                    f"beta * v rounds back to v once the new input is small. Remedy: keep the optimizer state in "
-                    f"float32, use stochastic rounding for it, or a smaller beta. {len(tensors)} tensors."),
+                    f"the optimizer state {key!r} is stored in {name}, and its moving average cannot decay "
+                    f"({where}): 1 - beta = {1 - beta:.3g} is below half the relative gap, which lies between "
+                    f"2^-{m + 2} = {lower:.2e} and 2^-{m + 1} = {2.0 ** -(m + 1):.2e}, so beta * v rounds back to v "
+                    f"once the new input is small. Remedy: keep the optimizer state in float32, use stochastic "
+                    f"rounding for it, or a smaller beta. {len(tensors)} tensors."),
                     {"state": key, "format": name, "beta": beta, "one_minus_beta": 1 - beta,
                      "half_relative_gap": 2.0 ** -(m + 1), "tensors": len(tensors)}))
     return out

@@ -245,6 +245,13 @@ def test_diagnoses_of_a_bf16_model_frozen_and_state_decay():
     assert ("cannot_move", "1.weight") in found             # held at every step: the label of both modes
     state = [d for d in w.diagnoses() if d.kind == "state_decay"]
     assert [d.numbers["state"] for d in state] == ["exp_avg_sq"] and state[0].numbers["one_minus_beta"] == pytest.approx(0.001)
+    assert "(on every value)" in state[0].message          # 0.001 < 2^-9: below the smallest relative half gap
+    model3 = tiny_model().to(torch.bfloat16)
+    opt3 = torch.optim.AdamW(model3.parameters(), lr=1e-3, betas=(0.9, 0.997))  # 2^-9 < 0.003 < 2^-8
+    w3 = lp.watch(model3, opt3, patience=5)
+    train(model3, opt3, 3)
+    partial = [d for d in w3.diagnoses() if d.kind == "state_decay"]
+    assert len(partial) == 1 and "just above a power of two" in partial[0].message
     model2 = tiny_model().to(torch.bfloat16)
     opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-3, betas=(0.9, 0.99))   # 1 - beta2 = 0.01 > 2^-8
     w2 = lp.watch(model2, opt2, patience=5)
