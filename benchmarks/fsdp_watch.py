@@ -26,7 +26,7 @@ import torch.distributed as dist
 import lowprec_demo as lp
 
 torch.set_num_threads(1)
-lp.kernels.set_mode("off")
+lp.rounding.kernels.set_mode("off")
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
 if WORLD > 1:
     dist.init_process_group("gloo")

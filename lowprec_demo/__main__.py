@@ -1,6 +1,6 @@
 """``python -m lowprec_demo``: see :mod:`lowprec_demo.cli`."""
 import sys
 
-from .cli import main
+from lowprec_demo.cli import main
 
 sys.exit(main())

@@ -41,8 +41,8 @@ if __name__ == "__main__" and not __package__:
     import lowprec_demo  # noqa: F401
     __package__ = "lowprec_demo"
 
-from .formats import FORMAT_NAMES, get_format
-from .runtime import DEVICES, SCALES, pick_device
+from lowprec_demo.formats import FORMAT_NAMES, get_format
+from lowprec_demo.book.runtime import DEVICES, SCALES, pick_device
 
 # TrainConfig fields that have a flag of their own: --set may give them too, but not both ways
 _FLAGS = {"format": "--format", "steps": "--steps", "lr": "--lr", "seed": "--seed", "device": "--device",
@@ -100,7 +100,7 @@ _READERS = {bool: (_as_bool, "true or false"), int: (_as_int, "an integer"),
 
 
 def _field_types() -> dict:
-    from .config import TrainConfig
+    from lowprec_demo.book.config import TrainConfig
     hints = typing.get_type_hints(TrainConfig)
     types = {}
     for name, hint in hints.items():
@@ -147,8 +147,8 @@ def parse_sets(experiment: str, items: List[str], scale: Optional[str] = None) -
         >>> parse_sets("quadratic", ["dim=8", "momentum=0.9"])
         {'dim': 8, 'momentum': 0.9}
     """
-    from .experiments import check_settings, get_experiment
-    from .runtime import scale as current_scale
+    from lowprec_demo.book.experiments import check_settings, get_experiment
+    from lowprec_demo.book.runtime import scale as current_scale
     types = _field_types()
     exp = get_experiment(experiment)
     option_types = {} if exp.option_class is None else exp.option_class.types()
@@ -205,7 +205,7 @@ def check_out(path: str) -> Path:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .experiments import experiment_names
+    from lowprec_demo.book.experiments import experiment_names
     parser = argparse.ArgumentParser(prog="python -m lowprec_demo",
                                      description="Low-precision training experiments: the freeze, predicted and observed.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -250,7 +250,7 @@ def _report(args: argparse.Namespace) -> int:
     command with one line saying why and exit status 2."""
     import json
 
-    from .watch import WatchReport
+    from lowprec_demo.monitor.freeze_watch import WatchReport
     fail = args.report_parser
     if os.path.isdir(args.path):
         return _fail(fail, f"{args.path}: is a directory, not a saved report (give the JSON file watch.save wrote)")
@@ -313,8 +313,8 @@ def _settings(args: argparse.Namespace) -> dict:
 def main(argv: Optional[List[str]] = None) -> int:
     """Entry point; returns the exit status. Under ``torchrun`` every process trains its share
     and only rank 0 prints and writes the JSON."""
-    from .experiments import experiment_names, get_experiment, make_config, run_experiment
-    from .distributed import finish_distributed, init_distributed
+    from lowprec_demo.book.experiments import experiment_names, get_experiment, make_config, run_experiment
+    from lowprec_demo.book.distributed import finish_distributed, init_distributed
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "list":

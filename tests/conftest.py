@@ -9,7 +9,7 @@ and a module's import may add one for good, so they are not checked. So the suit
 order (``pytest -p randomly``) and on any number of workers.
 
 The package's caches of loaded data (the corpora behind the GPT experiments, MNIST) key on the
-environment that chose the data (``lowprec_demo.data.cached_per_data_environment``) and give their
+environment that chose the data (``lowprec_demo.book.data.cached_per_data_environment``) and give their
 warnings on every call, so what a test sees does not depend on what loaded them first.
 """
 
@@ -20,7 +20,7 @@ import os
 import pytest
 import torch
 
-from lowprec_demo import kernels
+from lowprec_demo.rounding import kernels
 
 # variables whose value changes what the package loads or computes
 WATCHED_ENV_PREFIXES = ("LOWPREC_", "OMP_", "MKL_")

@@ -1,6 +1,6 @@
 """The fused kernels against the eager code, bit for bit, and the benchmark at tiny sizes.
 
-``lowprec_demo.kernels`` runs each kernel either compiled (``torch.compile``) or eagerly. Here the
+``lowprec_demo.rounding.kernels`` runs each kernel either compiled (``torch.compile``) or eagerly. Here the
 compiled kernels are compared with the eager path on the exhaustive point sets of
 ``test_rounding.py`` (round to nearest: against the package's own eager code, which that file
 checks against the exact reference), on random bit patterns and numbers around every format's
@@ -21,12 +21,16 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import test_rounding as TR  # the exhaustive point sets and helpers
 
-from lowprec_demo import bench, bench_report, bit_kernels, freeze_rule, kernels, machine, packing, timing
+BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+sys.path.insert(0, BENCHMARKS)
+import bench, bench_report, machine, timing  # noqa: E402  (the benchmark's modules, in benchmarks/)
+from lowprec_demo.rounding import bits as bit_kernels, rule as freeze_rule, kernels
+from lowprec_demo.optim import packing
 from lowprec_demo.formats import get_format
-from lowprec_demo.optimizer import LowPrecisionOptimizer
-from lowprec_demo.freeze_counts import count_freezes
-from lowprec_demo.prediction import RATIO_BINS, FreezeObserver, FreezePredictor
-from lowprec_demo.rounding import move_probability, quantize, random_bits, update_ulp_ratio, would_freeze
+from lowprec_demo.optim.optimizer import LowPrecisionOptimizer
+from lowprec_demo.freeze.counts import count_freezes
+from lowprec_demo.freeze.prediction import RATIO_BINS, FreezeObserver, FreezePredictor
+from lowprec_demo.rounding.core import move_probability, quantize, random_bits, update_ulp_ratio, would_freeze
 
 pytestmark = [pytest.mark.filterwarnings("ignore:invalid value encountered in cast:RuntimeWarning"),
               pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning"),
@@ -678,7 +682,7 @@ def test_cpu_identity_reads_the_first_processor(tmp_path, monkeypatch):
                         "cache": "512 KB"}
     assert machine.cpu_label(identity) == "family 23 model 1 stepping 2, 1996 MHz, cache 512 KB"
     assert machine.cpu_vector_extensions()["flags"] == ["sse4_2", "avx", "avx2", "fma"]
-    from lowprec_demo.results import provenance
+    from lowprec_demo.book.results import provenance
     assert provenance("cpu")["device_name"] == "AMD EPYC"
     info.write_text("processor\t: 0\ncpu family\t: unknown\nstepping\t: 2\nFeatures\t: fp asimd sve\n")
     assert machine.cpu_identity() == {"family": "unknown", "stepping": 2}          # kept as written
@@ -764,7 +768,7 @@ def test_benchmark_runs_at_tiny_sizes(tmp_path, capsys, monkeypatch):
     assert "| no / yes " in rows[("nanogpt-quick", "stochastic")]
     # a file written before the flag was kept: read from its command line
     del result["quick"]
-    result["command"] = "python -m lowprec_demo.bench --quick"
+    result["command"] = "python benchmarks/bench.py --quick"
     assert bench_report.summary(result).startswith("Quick run")
     with pytest.raises(SystemExit):
         bench.main(["--summary-of", str(tmp_path / "missing.json")])
@@ -773,7 +777,7 @@ def test_benchmark_runs_at_tiny_sizes(tmp_path, capsys, monkeypatch):
 def test_memory_profile_prints_nothing():
     """torch's profiler (kineto) logs two lines to stderr per profile unless told not to when it
     first starts in a process (a fresh process here: another test may have started it)."""
-    code = ("import os, torch; from lowprec_demo import timing; "
+    code = (f"import os, sys, torch; sys.path.insert(0, {BENCHMARKS!r}); import timing; "
             "print(timing.peak_extra_bytes(lambda: torch.ones(1000) * 2, 'cpu')); "
             "print(os.environ.get('KINETO_LOG_LEVEL'))")
     env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}

@@ -1,4 +1,4 @@
-"""Tests of lowprec_demo.data (its modules environment, text, batches and mnist). No network:
+"""Tests of lowprec_demo.book.data (its modules environment, text, batches and mnist). No network:
 LOWPREC_OFFLINE=1 everywhere except the local server."""
 
 import functools
@@ -16,21 +16,10 @@ import numpy as np
 import pytest
 import torch
 
-from lowprec_demo.data import environment
-from lowprec_demo.data import mnist as mnist_module
-from lowprec_demo.data import text as text_module
-from lowprec_demo.data import (
-    CharTokenizer,
-    ChecksumError,
-    DataFallbackWarning,
-    DataUnavailableError,
-    TokenBatches,
-    download,
-    gpt2_tokens,
-    load_mnist,
-    load_shakespeare,
-    sha256_of,
-)
+from lowprec_demo.book.data import environment
+from lowprec_demo.book.data import mnist as mnist_module
+from lowprec_demo.book.data import text as text_module
+from lowprec_demo.book.data import (CharTokenizer, ChecksumError, DataFallbackWarning, DataUnavailableError, TokenBatches, download, gpt2_tokens, load_mnist, load_shakespeare, sha256_of)
 
 # The read-only copy CI provides: $LOWPREC_DATA_DIR if set, else ../shared/data next to the repo.
 _candidates = [
@@ -310,7 +299,7 @@ def test_relative_data_dir_falls_back_to_the_checkout_root(monkeypatch, tmp_path
 def test_checkout_root_is_this_repository():
     root = environment._checkout_root()
     assert root == Path(__file__).resolve().parents[1]
-    assert (root / "lowprec_demo" / "data" / "environment.py").is_file()
+    assert (root / "lowprec_demo" / "book" / "data" / "environment.py").is_file()
 
 
 @pytest.mark.skipif(
@@ -407,7 +396,7 @@ def test_data_fallback_warning_is_printed_without_file_and_line():
 
 def test_data_fallback_warning_on_stderr_of_a_fresh_process(tmp_path):
     code = (
-        "import warnings, lowprec_demo.data as d\n"
+        "import warnings, lowprec_demo.book.data as d\n"
         "warnings.warn('using the fallback', d.DataFallbackWarning)\n"
         "warnings.warn('plain', UserWarning)\n"
     )

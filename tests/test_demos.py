@@ -1,4 +1,4 @@
-"""Tests of lowprec_demo.demos: bit fields against torch and ml_dtypes, repeated addition, SR samples."""
+"""Tests of lowprec_demo.book.demos: bit fields against torch and ml_dtypes, repeated addition, SR samples."""
 
 import math
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import lowprec_demo as lp
-from lowprec_demo.demos import BitFields, decode_bits, grid_neighbours, repeated_add, sr_samples, value_from_bits
+from lowprec_demo.book.demos import (BitFields, decode_bits, grid_neighbours, repeated_add, sr_samples, value_from_bits)
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 

@@ -6,9 +6,7 @@ import dataclasses
 import pytest
 
 import lowprec_demo as lp
-from lowprec_demo.experiments import (ExperimentOptions, GPT2Options, LanguageModelOptions, MLPOptions, MNISTOptions,
-                                      NanoGPTOptions, QuadraticOptions, RegressionOptions, check_settings,
-                                      config_fields, experiment_names, get_experiment, make_config)
+from lowprec_demo.book.experiments import (ExperimentOptions, GPT2Options, LanguageModelOptions, MLPOptions, MNISTOptions, NanoGPTOptions, QuadraticOptions, RegressionOptions, check_settings, config_fields, experiment_names, get_experiment, make_config)
 
 OPTION_CLASSES = {"quadratic": QuadraticOptions, "regression": RegressionOptions, "mlp": MLPOptions,
                   "mnist": MNISTOptions, "nanogpt": NanoGPTOptions, "gpt2": GPT2Options}

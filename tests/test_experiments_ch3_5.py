@@ -13,7 +13,7 @@ import torch
 
 import lowprec_demo as lp
 from lowprec_demo import cli
-from lowprec_demo.experiments import get_experiment, make_config, mlp, regression
+from lowprec_demo.book.experiments import get_experiment, make_config, mlp, regression
 
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():

@@ -2,7 +2,7 @@
 
 1. torch's own arithmetic on parameters of dtype bfloat16/float16 (``torch.optim.SGD`` and
    ``torch.optim.AdamW`` on the CPU, their default for-loop code): replayed bit for bit by
-   :mod:`lowprec_demo.fidelity`, and compared with the simulation's freeze.
+   :mod:`lowprec_demo.book.fidelity`, and compared with the simulation's freeze.
 2. torchao's AdamW with bf16 stochastic rounding, against ``rounding="stochastic"``.
 3. torch-optimi's AdamW with Kahan summation, against ``compensation="kahan"``.
 4. gfloat's round-to-nearest and stochastic rounding, against :func:`lowprec_demo.quantize`.
@@ -24,7 +24,7 @@ import torch
 
 import lowprec_demo as lp
 from lowprec_demo import LowPrecisionOptimizer, move_probability, quantize
-from lowprec_demo.fidelity import GRAIN_SIZE, NoisyQuadratic, adamw_step, scalar_path, sgd_step, vector_width
+from lowprec_demo.book.fidelity import GRAIN_SIZE, NoisyQuadratic, adamw_step, scalar_path, sgd_step, vector_width
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 INT_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16}
@@ -60,14 +60,14 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> int:
     return int((ia != ib).sum())
 
 
-Quadratic = NoisyQuadratic   # the problem of lowprec_demo.fidelity.real_and_simulated
+Quadratic = NoisyQuadratic   # the problem of lowprec_demo.book.fidelity.real_and_simulated
 
 
 @contextlib.contextmanager
 def torch_threads(n: int):
     """torch's intra-op threads set to ``n`` inside the block, put back after it: where an
     element goes through a CPU kernel's vector or scalar loop depends on it (see
-    :func:`lowprec_demo.fidelity.scalar_path`). The tests hold the threads only around the
+    :func:`lowprec_demo.book.fidelity.scalar_path`). The tests hold the threads only around the
     operation they check: the replay and the bookkeeping run on one thread, since two threads
     that wait on each other on a busy 2-core machine make them many times slower."""
     before = torch.get_num_threads()
@@ -630,7 +630,7 @@ def test_package_sr_frequency_at_quarter_points(fmt):
 
 
 def test_real_and_simulated_runs_both_and_checks_its_arguments():
-    from lowprec_demo.fidelity import real_and_simulated
+    from lowprec_demo.book.fidelity import real_and_simulated
     r = real_and_simulated(lr=1e-3, n=4096, steps=30)
     assert len(r["real"]["moved"]) == len(r["simulated"]["moved"]) == 30
     assert not r["second_moment_decreased"]        # bf16 AdamW at beta2 = 0.999: v never decays

@@ -15,14 +15,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import exact_reference as ref
 
-from lowprec_demo.formats import (
-    FORMAT_NAMES,
-    KINDS,
-    OVERFLOW_POLICIES,
-    FloatFormat,
-    format_table,
-    get_format,
-)
+from lowprec_demo.formats import FORMAT_NAMES, KINDS, OVERFLOW_POLICIES, FloatFormat, format_table, get_format
 
 # ------------------------------------------------------------------------------------------------
 # the table of the science notes (docs/science.md), written out by hand

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import lowprec_demo as lp
-from lowprec_demo.freeze_plan import PLAN_REMEDIES, FreezePlan, kahan_buffer_format, load_plan
-from lowprec_demo.integrations import attach_plan
-from lowprec_demo.optimizer import LowPrecisionOptimizer, bytes_per_parameter
+from lowprec_demo.optim.plan import PLAN_REMEDIES, FreezePlan, kahan_buffer_format, load_plan
+from lowprec_demo.monitor.integrations import attach_plan
+from lowprec_demo.optim.optimizer import LowPrecisionOptimizer, bytes_per_parameter
 
 from test_watch import _ConvLayerNorm
 
@@ -301,7 +301,7 @@ def _on_grid(model, plan):
 
 def test_hugging_face_callback_plans_after_k_steps(tmp_path):
     transformers = pytest.importorskip("transformers", reason="transformers is not installed: pip install transformers")
-    from lowprec_demo.integrations import hf_callback
+    from lowprec_demo.monitor.integrations import hf_callback
     config = transformers.GPT2Config(vocab_size=40, n_positions=16, n_embd=16, n_layer=1, n_head=2, bos_token_id=0,
                                      eos_token_id=0)
     torch.manual_seed(0)
@@ -328,7 +328,7 @@ def test_lightning_callback_plans_after_k_steps(tmp_path):
         import lightning.pytorch as pl
     except ImportError:
         pl = pytest.importorskip("pytorch_lightning", reason="Lightning is not installed: pip install pytorch-lightning")
-    from lowprec_demo.integrations import lightning_callback
+    from lowprec_demo.monitor.integrations import lightning_callback
 
     class Module(pl.LightningModule):
         def __init__(self):

@@ -24,9 +24,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import exact_reference as ER  # noqa: E402
 
 import lowprec_demo as lp  # noqa: E402
-from lowprec_demo import bit_kernels  # noqa: E402
-from lowprec_demo.freeze_rule import rule_params  # noqa: E402
-from lowprec_demo.prediction import RATIO_BINS  # noqa: E402
+from lowprec_demo.rounding import bits as bit_kernels  # noqa: E402
+from lowprec_demo.rounding.rule import rule_params  # noqa: E402
+from lowprec_demo.freeze.prediction import RATIO_BINS  # noqa: E402
 
 FORMATS = ["e4m3", "e5m2", "bf16", "fp16"]
 FACTORS = [0.0, 0.125, 0.25, 0.5, 0.75, 1.0, 1.5, 3.0]   # updates in ulps of the weight, both signs

@@ -108,7 +108,7 @@ def _train(model, opt, sched, steps, world: int, rank: int, sharded: bool):
 
 
 def _full(t):
-    from lowprec_demo.sharding import is_sharded
+    from lowprec_demo.optim.sharding import is_sharded
     return t.full_tensor() if is_sharded(t) else t
 
 
@@ -162,7 +162,7 @@ def _worker(out_path: str) -> None:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     import lowprec_demo as lp
-    from lowprec_demo import packing, sharding
+    from lowprec_demo.optim import packing, sharding
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -222,7 +222,7 @@ def _worker(out_path: str) -> None:
             dist.barrier()
             found["saved_by"] = [rank] if os.path.exists(report) and rank == 0 else []
             found["saved_report_equal"] = json.loads(Path(report).read_text())["records"] == \
-                json.loads(json.dumps(lp.watch_report.jsonable(ref_watch.to_dict())))["records"]
+                json.loads(json.dumps(lp.monitor.report.jsonable(ref_watch.to_dict())))["records"]
         watch.detach(), ref_watch.detach()
     # a placement the optimizer does not support is refused by name
     from torch.distributed.tensor import DeviceMesh, Shard, distribute_tensor
@@ -244,7 +244,7 @@ def _worker(out_path: str) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("rand_bits", [None, 3])
 def test_a_piece_with_its_offset_draws_the_whole_tensors_bits(dtype, rand_bits):
-    from lowprec_demo.rounding import quantize, quantize_, random_bits
+    from lowprec_demo.rounding.core import quantize, quantize_, random_bits
     x = (1 + torch.randn(300, 5, generator=torch.Generator().manual_seed(0)) * 1e-3).to(dtype)
     whole = quantize(x, "bf16", "stochastic", generator=9, rand_bits=rand_bits)
     assert not torch.equal(whole, quantize(x, "bf16"))        # SR moved some elements nearest keeps
@@ -261,14 +261,14 @@ def test_a_piece_with_its_offset_draws_the_whole_tensors_bits(dtype, rand_bits):
 
 
 def test_a_bad_index_offset_is_refused():
-    from lowprec_demo.rounding import quantize
+    from lowprec_demo.rounding.core import quantize
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="index_offset must be a non-negative integer"):
             quantize(torch.ones(3), "bf16", "stochastic", generator=1, index_offset=bad)
 
 
 def test_plain_tensors_are_their_own_whole():
-    from lowprec_demo import sharding
+    from lowprec_demo.optim import sharding
     t = torch.ones(4, 3)
     assert not sharding.any_sharded([t]) and sharding.local_part(t) is t
     assert sharding.flat_offset(t) == 0 and sharding.row_range(t) == (0, 4)
@@ -404,7 +404,7 @@ def test_the_command_line_trains_sharded_like_one_process(tmp_path):
 
 
 def test_an_unknown_parallel_setting_is_refused_by_name():
-    from lowprec_demo.config import TrainConfig
+    from lowprec_demo.book.config import TrainConfig
     with pytest.raises(ValueError, match="parallel must be one of ddp, fsdp"):
         TrainConfig(parallel="tp")
 

@@ -1,4 +1,4 @@
-"""lowprec_demo.glue writes what myst-nb's {glue:text} role reads: a display bundle under
+"""lowprec_demo.book.glue writes what myst-nb's {glue:text} role reads: a display bundle under
 application/papermill.record/ with the key in its scrapbook metadata."""
 
 import IPython.display
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from lowprec_demo.glue import GLUE_PREFIX, glue
+from lowprec_demo.book.glue import GLUE_PREFIX, glue
 
 
 @pytest.fixture

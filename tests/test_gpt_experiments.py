@@ -14,10 +14,10 @@ import pytest
 
 import lowprec_demo as lp
 from lowprec_demo.cli import main
-from lowprec_demo.experiments.gpt2 import by_layer, layer_of
-from lowprec_demo.results import describe, load_result, stored_results
-from lowprec_demo.experiments import run_formats
-from lowprec_demo.results import TrainResult
+from lowprec_demo.book.experiments.gpt2 import by_layer, layer_of
+from lowprec_demo.book.results import describe, load_result, stored_results
+from lowprec_demo.book.experiments import run_formats
+from lowprec_demo.book.results import TrainResult
 
 _candidates = [os.environ.get("LOWPREC_DATA_DIR", ""), Path(__file__).resolve().parents[2] / "shared" / "data"]
 SHARED_DATA = next((str(c) for c in _candidates if c and (Path(c) / "tinyshakespeare.txt").is_file()), "")

@@ -2,46 +2,118 @@
 the benchmark measures through (instead of private attributes)."""
 
 import ast
+import importlib
+import inspect
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 import lowprec_demo as lp
-from lowprec_demo.prediction import FreezeObserver, FreezePredictor
-from lowprec_demo.results import provenance
+from lowprec_demo.freeze.prediction import FreezeObserver, FreezePredictor
+from lowprec_demo.book.results import provenance
 
 
 PACKAGE = Path(lp.__file__).resolve().parent
+sys.path.insert(0, str(PACKAGE.parent / "benchmarks"))   # the benchmark's modules
+
+
+def _module_path(module: str):
+    """The file of a dotted module name relative to the package ("book.training"), or None."""
+    base = PACKAGE / module.replace(".", "/")
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return path
+    return None
 
 
 def _imports(module: str) -> set:
     """The package modules that ``module`` imports anywhere in its source (module level and
-    inside functions), as dotted names relative to the package. A subpackage is its
-    ``__init__.py``, whose relative imports start in the subpackage itself."""
-    path = PACKAGE / (module.replace(".", "/") + ".py")
-    base = module.split(".")[:-1]
-    if not path.is_file():
-        path = PACKAGE / module.replace(".", "/") / "__init__.py"
-        base = module.split(".")
+    inside functions), as dotted names relative to the package: ``from lowprec_demo.rounding
+    import kernels`` is ``rounding.kernels``, ``from lowprec_demo.rounding import quantize`` is
+    ``rounding``. Relative imports are resolved the same way."""
+    path = _module_path(module)
+    base = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.level:
-            parent = base[:len(base) - (node.level - 1)]
-            target = ".".join(parent + ([node.module] if node.module else []))
-            found |= {f"{target}.{a.name}".strip(".") for a in node.names} if not node.module else {target}
+        if isinstance(node, ast.Import):
+            found |= {a.name[len("lowprec_demo."):] for a in node.names if a.name.startswith("lowprec_demo.")}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                target = ".".join(base[:len(base) - (node.level - 1)] + ([node.module] if node.module else []))
+            elif node.module == "lowprec_demo" or (node.module or "").startswith("lowprec_demo."):
+                target = node.module[len("lowprec_demo."):] if node.module != "lowprec_demo" else ""
+            else:
+                continue
+            for a in node.names:
+                sub = f"{target}.{a.name}".strip(".")
+                found.add(sub if _module_path(sub) else target)
+    found.discard("")
     return found
 
 
+def _modules() -> list:
+    names = [p.relative_to(PACKAGE).with_suffix("").as_posix().replace("/", ".") for p in PACKAGE.rglob("*.py")]
+    return sorted(n[:-len(".__init__")] if n.endswith(".__init__") else n for n in names if n != "__init__")
+
+
+# The layers, lowest first: a module imports only from its own layer and those before it.
+LAYERS = ("version", "common", "formats", "rounding", "optim", "freeze", "monitor", "book", "cli", "__main__")
+
+
+def test_lower_layers_never_import_higher_ones():
+    """The package's layering: formats -> rounding -> optim -> freeze -> monitor, with ``common``
+    underneath and the book's machinery (``book``) and the command line on top. No module of a
+    layer imports one of a later layer (the book and the command line are never imported by the
+    library)."""
+    bad = []
+    for module in _modules():
+        rank = LAYERS.index(module.split(".")[0])
+        for target in _imports(module):
+            if LAYERS.index(target.split(".")[0]) > rank:
+                bad.append(f"{module} imports {target}")
+    assert not bad, bad
+
+
+def test_import_lowprec_demo_is_light():
+    """``import lowprec_demo`` loads the version and nothing else of the package; the user's API
+    (at most 25 names) and the book's names come on first use."""
+    code = ("import sys, lowprec_demo as lp; print(sorted(m for m in sys.modules if m.startswith('lowprec_demo'))); "
+            "print(len(lp.__all__)); print(hasattr(lp, 'torch')); lp.watch; lp.LowPrecisionOptimizer; "
+            "print(sorted(m for m in sys.modules if m.startswith('lowprec_demo')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    first, count, has_torch, after = out.stdout.splitlines()
+    assert eval(first) == ["lowprec_demo", "lowprec_demo.version"]
+    assert int(count) <= 25 and has_torch == "False"
+    loaded = eval(after)
+    assert len(loaded) <= 30 and not any(m.startswith("lowprec_demo.book") for m in loaded), loaded
+
+
+def test_every_name_the_package_offers_resolves_and_no_attribute_shadows_a_submodule():
+    for name in dir(lp):
+        assert getattr(lp, name) is not None, name
+    for package in ("rounding", "optim", "freeze", "monitor", "book", "common"):
+        module = importlib.import_module(f"lowprec_demo.{package}")
+        for sub in (PACKAGE / package).iterdir():
+            name = sub.stem
+            if name.startswith("__") or not (sub.suffix == ".py" or (sub / "__init__.py").is_file()):
+                continue
+            value = getattr(module, name, None)
+            assert value is None or inspect.ismodule(value), f"lowprec_demo.{package}.{name} is not the submodule"
+        assert len(getattr(module, "__all__", [])) <= 25, package
+
+
 def test_the_training_loop_does_not_reach_up_to_the_experiments():
-    assert not any(m.startswith("experiments") for m in _imports("training"))
-    assert {"config", "results", "distributed"} <= _imports("training")
+    assert not any(m.startswith("book.experiments") for m in _imports("book.training"))
+    assert {"book.config", "book.results", "book.distributed"} <= _imports("book.training")
 
 
 def test_config_and_results_do_not_need_the_loop():
-    assert "training" not in _imports("config") and "results" not in _imports("config")
-    assert "training" not in _imports("results")
-    assert "training" not in _imports("distributed") and "results" not in _imports("distributed")
+    assert "book.training" not in _imports("book.config") and "book.results" not in _imports("book.config")
+    assert "book.training" not in _imports("book.results")
+    assert "book.training" not in _imports("book.distributed") and "book.results" not in _imports("book.distributed")
 
 
 def test_no_package_module_imports_from_itself_in_a_cycle():
@@ -68,10 +140,10 @@ def test_no_package_module_imports_from_itself_in_a_cycle():
 
 
 def test_public_names_where_the_package_exports_them():
-    assert lp.run_formats.__module__ == "lowprec_demo.experiments"
-    assert lp.TrainResult.__module__ == "lowprec_demo.results"
-    assert lp.TrainConfig.__module__ == lp.lr_factor.__module__ == "lowprec_demo.config"
-    assert lp.train_variants.__module__ == "lowprec_demo.training"
+    assert lp.run_formats.__module__ == "lowprec_demo.book.experiments"
+    assert lp.TrainResult.__module__ == "lowprec_demo.book.results"
+    assert lp.TrainConfig.__module__ == lp.lr_factor.__module__ == "lowprec_demo.book.config"
+    assert lp.train_variants.__module__ == "lowprec_demo.book.training"
 
 
 EXPERIMENT_MODULES = ("quadratic", "regression", "mlp", "mnist", "nanogpt", "gpt2")
@@ -81,35 +153,35 @@ def test_the_experiment_modules_import_the_registry_not_the_package():
     """The package imports every experiment module; they import the registry (and the GPT ones
     the shared language module), never the package or each other, so there is no cycle."""
     for name in EXPERIMENT_MODULES + ("language", "registry"):
-        imported = {d for d in _imports(f"experiments.{name}") if d.startswith("experiments")}
-        assert imported <= {"experiments.registry", "experiments.language"}, (name, imported)
-    assert "experiments.language" not in _imports("experiments.registry")
+        imported = {d for d in _imports(f"book.experiments.{name}") if d.startswith("book.experiments")}
+        assert imported <= {"book.experiments.registry", "book.experiments.language"}, (name, imported)
+    assert "book.experiments.language" not in _imports("book.experiments.registry")
 
 
 def test_the_version_lives_in_a_module_of_its_own():
     from lowprec_demo import version
-    assert "version" in _imports("results") and "__version__" not in _imports("results")
+    assert "version" in _imports("book.results") and "__version__" not in _imports("book.results")
     assert lp.__version__ == version.__version__ == provenance("cpu")["package_version"]
 
 
 def test_names_moved_out_of_a_module_are_still_importable_from_it():
-    from lowprec_demo import experiments
-    from lowprec_demo.experiments import language, nanogpt, registry
+    from lowprec_demo.book import experiments
+    from lowprec_demo.book.experiments import language, nanogpt, registry
     for name in ("Experiment", "register", "experiment_names", "get_experiment", "ExperimentOptions"):
         assert getattr(experiments, name) is getattr(registry, name)
     for name in ("gpt_task", "decay_groups", "shard_rows"):
         assert getattr(nanogpt, name) is getattr(language, name)
-    assert nanogpt.char_tokens.__module__ == "lowprec_demo.experiments.nanogpt"
+    assert nanogpt.char_tokens.__module__ == "lowprec_demo.book.experiments.nanogpt"
 
 
 def test_the_data_sets_import_the_environment_and_the_package_names_them_all():
     """``data.environment`` (where files come from) imports none of the data sets; each data set
-    imports at most the environment; ``lowprec_demo.data`` re-exports their public names."""
-    from lowprec_demo import data
-    from lowprec_demo.data import batches, environment, mnist, text
-    assert not any(d.startswith("data") for d in _imports("data.environment"))
+    imports at most the environment; ``lowprec_demo.book.data`` re-exports their public names."""
+    from lowprec_demo.book import data
+    from lowprec_demo.book.data import batches, environment, mnist, text
+    assert not any(d.startswith("book.data") for d in _imports("book.data.environment"))
     for name in ("text", "batches", "mnist"):
-        assert {d for d in _imports(f"data.{name}") if d.startswith("data")} <= {"data.environment"}, name
+        assert {d for d in _imports(f"book.data.{name}") if d.startswith("book.data")} <= {"book.data.environment"}, name
     homes = (environment, text, batches, mnist)
     assert sorted(data.__all__) == sorted(n for m in homes for n in m.__all__)
     for module in homes:
@@ -174,7 +246,7 @@ def test_provenance_names_the_cpu_model():
 
 
 def test_benchmark_machine_is_the_provenance_plus_load():
-    from lowprec_demo.machine import machine_record
+    from machine import machine_record
     m = machine_record("cpu")
     p = provenance("cpu")
     assert m["device_name"] == p["device_name"] and m["git_commit"] == p["git_commit"]
@@ -185,18 +257,29 @@ def test_the_benchmark_tables_machine_and_timing_do_not_import_the_benchmark():
     """The arrow runs one way: ``bench`` (what is measured) imports ``bench_report`` (the tables,
     the targets), ``machine`` (which machine) and ``timing`` (how it is timed), and none of them
     imports ``bench``."""
+    folder = PACKAGE.parent / "benchmarks"
+
+    def top_imports(name):
+        found = set()
+        for node in ast.walk(ast.parse((folder / f"{name}.py").read_text())):
+            if isinstance(node, ast.Import):
+                found |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                found.add(node.module.split(".")[0])
+        return found
     for module in ("bench_report", "machine", "timing"):
-        assert not any(d == "bench" or d.startswith("bench.") for d in _imports(module)), module
-    assert {"bench_report", "machine", "timing"} <= {d.split(".")[0] for d in _imports("bench")}
+        assert "bench" not in top_imports(module), module
+    assert {"bench_report", "machine", "timing"} <= top_imports("bench")
+    assert not [p for p in PACKAGE.rglob("*.py") if p.stem in ("bench", "bench_report", "machine", "timing")]
 
 
 def test_the_benchmark_builds_its_models_through_the_experiments():
     """bench's models are the experiments' own: the same config, the same initialisation, the
     training loop's optimizer and the same low-precision parameters (no settings copied)."""
-    from lowprec_demo import bench
-    from lowprec_demo.experiments import get_experiment, make_config
-    for path in (PACKAGE / "experiments").glob("*.py"):   # the arrow runs one way
-        assert "bench" not in path.read_text(), path
+    import bench
+    from lowprec_demo.book.experiments import get_experiment, make_config
+    for path in PACKAGE.rglob("*.py"):   # the arrow runs one way
+        assert "import bench" not in path.read_text() and "from bench" not in path.read_text(), path
     for name, spec in bench.MODELS.items():
         if name == "gpt2":
             continue   # 124M parameters: the smaller two say the same

@@ -1,11 +1,11 @@
-"""Tests of lowprec_demo.models: parameter counts, shapes, initialisation, causality."""
+"""Tests of lowprec_demo.book.models: parameter counts, shapes, initialisation, causality."""
 
 import math
 
 import pytest
 import torch
 
-from lowprec_demo.models import GPT, GPT_CONFIGS, MLP, GPTConfig, LeNet5, gpt_config
+from lowprec_demo.book.models import GPT, GPT_CONFIGS, MLP, GPTConfig, LeNet5, gpt_config
 
 
 def seeded(seed: int) -> torch.Generator:

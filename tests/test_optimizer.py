@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import lowprec_demo as lp
-from lowprec_demo.optimizer import LowPrecisionOptimizer, select_params
+from lowprec_demo.optim.optimizer import LowPrecisionOptimizer, select_params
 
 
 def on_grid(t, fmt):

@@ -8,8 +8,8 @@ import matplotlib.pyplot as plt   # noqa: E402
 import numpy as np                # noqa: E402
 
 import lowprec_demo as lp         # noqa: E402
-from lowprec_demo import plots    # noqa: E402
-from lowprec_demo.results import describe   # noqa: E402
+from lowprec_demo.book import plots    # noqa: E402
+from lowprec_demo.book.results import describe   # noqa: E402
 
 
 def _run():

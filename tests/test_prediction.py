@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import lowprec_demo as lp
-from lowprec_demo.prediction import FreezeObserver, FreezePredictor, freeze_order, freeze_step, steps_agree
+from lowprec_demo.freeze.prediction import FreezeObserver, FreezePredictor, freeze_order, freeze_step, steps_agree
 
 
 def brute_force_frozen(old: torch.Tensor, new: torch.Tensor, fmt: str) -> float:
@@ -120,7 +120,7 @@ def test_observer_and_predictor_have_one_shape():
     w = torch.nn.Parameter(torch.ones(4))
     observer, predictor = FreezeObserver({"w": w}, "bfloat16"), FreezePredictor({"w": w}, ["bf16", "e4m3"])
     for tracker in (observer, predictor):
-        assert isinstance(tracker, lp.prediction.StepTracker)
+        assert isinstance(tracker, lp.freeze.prediction.StepTracker)
         tracker.before_step()
     w.data[0] -= 1e-3
     w.data[1] += 1.0
@@ -135,7 +135,7 @@ def test_observer_and_predictor_have_one_shape():
     with pytest.raises(KeyError, match="no record for fp16; recorded: bf16, e4m3"):
         predictor.record("fp16")
     with pytest.raises(NotImplementedError):
-        lp.prediction.StepTracker({"w": w}).after_step()
+        lp.freeze.prediction.StepTracker({"w": w}).after_step()
 
 
 def test_freeze_order_lists_first_frozen_first():

@@ -12,8 +12,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import test_rounding as TR  # the exhaustive point sets and helpers
 
-from lowprec_demo import kernels
-from lowprec_demo.rounding import quantize, quantize_
+from lowprec_demo.rounding import kernels
+from lowprec_demo.rounding.core import quantize, quantize_
 
 pytestmark = [pytest.mark.filterwarnings("ignore:invalid value encountered in cast:RuntimeWarning"),
               pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")]

@@ -1,5 +1,5 @@
 """The remedies: fp32 master weights, a Kahan buffer on a grid of its own, the bytes each setting
-stores, the training loop's remedy variants and :func:`lowprec_demo.remedies.compare_remedies`."""
+stores, the training loop's remedy variants and :func:`lowprec_demo.book.remedies.compare_remedies`."""
 
 import json
 import math
@@ -8,13 +8,13 @@ import pytest
 import torch
 
 import lowprec_demo as lp
-from lowprec_demo.freeze_plan import FreezePlan
-from lowprec_demo.config import VARIANTS
-from lowprec_demo.experiments import run_experiment
-from lowprec_demo.optimizer import LowPrecisionOptimizer, bytes_per_parameter
-from lowprec_demo.remedies import REMEDIES, compare_remedies, floor_ratio
-from lowprec_demo.results import TrainResult
-from lowprec_demo.training import variant_wrapper
+from lowprec_demo.optim.plan import FreezePlan
+from lowprec_demo.book.config import VARIANTS
+from lowprec_demo.book.experiments import run_experiment
+from lowprec_demo.optim.optimizer import LowPrecisionOptimizer, bytes_per_parameter
+from lowprec_demo.book.remedies import REMEDIES, compare_remedies, floor_ratio
+from lowprec_demo.book.results import TrainResult
+from lowprec_demo.book.training import variant_wrapper
 
 
 def _on_grid(t, fmt):
@@ -166,7 +166,7 @@ def test_compare_remedies_on_a_small_model():
     assert c.table().count("\n") == len(rows) + 1
     import matplotlib
     matplotlib.use("Agg")
-    from lowprec_demo import plots
+    from lowprec_demo.book import plots
     ax = plots.plot_remedies(c, relative=True)
     assert len(ax.collections) == len(rows)              # one point per remedy
     assert [t.get_text() for t in ax.get_legend().get_texts()] == [r["label"] for r in c.rows()]

@@ -1,4 +1,4 @@
-"""Tests of lowprec_demo.rounding against the exact reference (tests/exact_reference.py), torch's
+"""Tests of lowprec_demo.rounding.core against the exact reference (tests/exact_reference.py), torch's
 casts and ml_dtypes' casts.
 
 Three oracles:
@@ -32,16 +32,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import exact_reference as ref
 
-from lowprec_demo import rounding as R
+from lowprec_demo.rounding import core as R
 from lowprec_demo.formats import FloatFormat, get_format
-from lowprec_demo.rounding import (
-    move_probability,
-    quantize,
-    random_bits,
-    ulp,
-    update_ulp_ratio,
-    would_freeze,
-)
+from lowprec_demo.rounding.core import move_probability, quantize, random_bits, ulp, update_ulp_ratio, would_freeze
 
 SIGMAS = 5.0
 
@@ -1284,7 +1277,7 @@ def test_decay_rounds_back_is_the_rounding_of_beta_times_v(key):
     """At and above 2**-(m+1), beta * v moves every grid value of a binade; just below it the
     value just above the power of two stays (the largest relative half gap of a grid value is
     2**-(m+1) / (1 + 2**-m)); below 2**-(m+2) every value stays."""
-    from lowprec_demo.rounding import decay_rounds_back
+    from lowprec_demo.rounding.core import decay_rounds_back
     fmt = get_format(key)
     m = fmt.man_bits
     grid = quantize(torch.linspace(1.0, 2.0, 4001, dtype=torch.float64)[:-1], fmt).unique()

@@ -9,8 +9,8 @@ import torch
 
 import lowprec_demo as lp
 from lowprec_demo.cli import main
-from lowprec_demo.config import lr_factor
-from lowprec_demo.results import TrainResult
+from lowprec_demo.book.config import lr_factor
+from lowprec_demo.book.results import TrainResult
 
 
 def test_quadratic_freezes_at_predicted_step_for_three_mantissa_lengths():
@@ -95,7 +95,7 @@ def test_cli_errors_name_valid_values_and_write_nothing(tmp_path, capsys, argv, 
 def test_cli_refuses_bad_settings_before_training(tmp_path, capsys, monkeypatch, argv, message):
     def no_training(*args, **kwargs):
         raise AssertionError("training started")
-    monkeypatch.setattr("lowprec_demo.experiments.train_variants", no_training)
+    monkeypatch.setattr("lowprec_demo.book.experiments.train_variants", no_training)
     out = tmp_path / "r.json"
     assert main(["run", "quadratic", *argv, "--out", str(out), "--no-progress"]) == 2
     err = capsys.readouterr().err
@@ -132,7 +132,7 @@ def test_unknown_settings_are_refused_from_python_too():
 
 
 def test_every_experiment_declares_the_options_of_its_defaults():
-    from lowprec_demo.experiments import experiment_names, get_experiment
+    from lowprec_demo.book.experiments import experiment_names, get_experiment
     for name in experiment_names():
         exp = get_experiment(name)
         for scale in ("quick", "full"):
@@ -143,7 +143,7 @@ def test_every_experiment_declares_the_options_of_its_defaults():
 def test_cli_checks_out_before_training(tmp_path, capsys, monkeypatch, where):
     def no_training(*args, **kwargs):
         raise AssertionError("training started")
-    monkeypatch.setattr("lowprec_demo.experiments.train_variants", no_training)
+    monkeypatch.setattr("lowprec_demo.book.experiments.train_variants", no_training)
     if where == "folder":
         out, message = tmp_path, "is a folder; give a file name"
     elif where == "missing_under_file":
@@ -176,7 +176,7 @@ def test_cli_out_in_a_folder_that_takes_no_file(capsys, monkeypatch):
     """As root a folder without write permission still takes files; /proc takes none."""
     if not os.path.isdir("/proc"):
         pytest.skip("no /proc")
-    monkeypatch.setattr("lowprec_demo.experiments.train_variants", lambda *a, **k: pytest.fail("training started"))
+    monkeypatch.setattr("lowprec_demo.book.experiments.train_variants", lambda *a, **k: pytest.fail("training started"))
     assert main(["run", "quadratic", "--out", "/proc/lowprec-test/r.json", "--no-progress"]) == 2
     assert "--out /proc/lowprec-test/r.json: the folder /proc/lowprec-test does not exist" in capsys.readouterr().err
 

@@ -11,7 +11,7 @@ import torch
 
 import lowprec_demo as lp
 from lowprec_demo.cli import main
-from lowprec_demo.watch import DIAGNOSIS_KINDS, FreezeWatch, format_of_dtype, load_watch
+from lowprec_demo.monitor.freeze_watch import DIAGNOSIS_KINDS, FreezeWatch, format_of_dtype, load_watch
 
 
 def tiny_model(seed=0):
@@ -134,7 +134,7 @@ def test_forecast_made_early_is_the_step_that_comes(kind):
 
 
 def test_ratio_trend_keeps_a_bounded_spread_of_points_and_fits_a_fall():
-    from lowprec_demo.watch_forecast import EDGES, TREND_POINTS, RatioTrend
+    from lowprec_demo.monitor.forecast import EDGES, TREND_POINTS, RatioTrend
     trend = RatioTrend()
     bins = len(EDGES) + 1
     n_steps = 3 * TREND_POINTS
@@ -171,7 +171,7 @@ def test_forecast_band_holds_the_step_and_the_trend_comes_earlier_on_shrinking_s
         with torch.no_grad():
             p.copy_(torch.ones(4096))     # the same stored value each step: only the update changes
     made = w.forecast("bf16")
-    flat = lp.watch_forecast.freeze_steps(w, w.record("bf16"), w.forecast_curves("bf16", trend=0.0), 0.5)["overall"]
+    flat = lp.monitor.forecast.freeze_steps(w, w.record("bf16"), w.forecast_curves("bf16", trend=0.0), 0.5)["overall"]
     assert made["overall"] is not None and flat is not None and made["overall"] < flat
     assert made["low"] <= made["overall"] <= made["high"] == flat
     assert made["by_tensor"]["p"]["step"] == made["overall"]
@@ -408,7 +408,7 @@ def test_tensorboard_scalars(tmp_path):
 
 def test_hugging_face_trainer_callback(tmp_path, capsys):
     transformers = pytest.importorskip("transformers", reason="transformers is not installed: pip install transformers")
-    from lowprec_demo.integrations import hf_callback
+    from lowprec_demo.monitor.integrations import hf_callback
     config = transformers.GPT2Config(vocab_size=40, n_positions=16, n_embd=16, n_layer=1, n_head=2, bos_token_id=0,
                                      eos_token_id=0)
     torch.manual_seed(0)
@@ -435,7 +435,7 @@ def test_lightning_callback(tmp_path):
         import lightning.pytorch as pl
     except ImportError:
         pl = pytest.importorskip("pytorch_lightning", reason="Lightning is not installed: pip install pytorch-lightning")
-    from lowprec_demo.integrations import lightning_callback
+    from lowprec_demo.monitor.integrations import lightning_callback
 
     class Module(pl.LightningModule):
         def __init__(self):
@@ -548,7 +548,7 @@ def _conv_forecasts(seed, steps=120, peak=1e-3, warmup=6):
         opt.step()
         sched.step()
         if s + 1 in (steps // 10, steps // 4, steps // 2):
-            flat = lp.watch_forecast.freeze_steps(w, w.record("bf16"), w.forecast_curves("bf16", trend=0.0), 0.5)
+            flat = lp.monitor.forecast.freeze_steps(w, w.record("bf16"), w.forecast_curves("bf16", trend=0.0), 0.5)
             made[s + 1] = dict(w.forecast("bf16"), flat=flat["overall"])
     return w.frozen_since("bf16")["overall"], made
 
@@ -604,8 +604,8 @@ def test_one_learning_rate_for_all_tensors_gives_the_same_codes():
     # the watch passes one log learning rate when every group has the same: the codes are those of
     # one value per tensor, compiled and eager, and the bins those of ceil(8 (log2 ratio - log lr - edge))
     # clamped to the bins, NaN in the last
-    from lowprec_demo import kernels
-    from lowprec_demo.watch_forecast import EDGES
+    from lowprec_demo.rounding import kernels
+    from lowprec_demo.monitor.forecast import EDGES
     torch.manual_seed(0)
     n, fmt, bins, first = 3000, lp.get_format("bf16"), len(EDGES) + 1, float(EDGES[0])
     old = torch.randn(n) * 0.02

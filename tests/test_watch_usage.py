@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import lowprec_demo as lp
-from lowprec_demo import kernels
+from lowprec_demo.rounding import kernels
 from lowprec_demo.cli import main
-from lowprec_demo.watch_diagnoses import Diagnosis, group_lines
+from lowprec_demo.monitor.diagnoses import Diagnosis, group_lines
 
 
 def tiny_model(seed=0, norms=1):
@@ -68,7 +68,7 @@ def test_bad_watch_options_fail_at_construction():
 
 def test_plan_options_fail_when_the_callback_is_made():
     pytest.importorskip("transformers", reason="transformers is not installed: pip install transformers")
-    from lowprec_demo.integrations import hf_callback
+    from lowprec_demo.monitor.integrations import hf_callback
     with pytest.raises(ValueError, match="valid names"):
         hf_callback(plan_after=5, plan_format="bf17")
     with pytest.raises(ValueError, match="plan_after"):
@@ -77,7 +77,7 @@ def test_plan_options_fail_when_the_callback_is_made():
 
 def test_hf_plan_after_on_bf16_weights_fails_before_the_first_step(tmp_path):
     pytest.importorskip("transformers", reason="transformers is not installed: pip install transformers")
-    from lowprec_demo.integrations import hf_callback
+    from lowprec_demo.monitor.integrations import hf_callback
     callback = hf_callback(plan_after=3)
     trainer = gpt2_trainer(tmp_path, callback, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"plan_after=3.*torch\.bfloat16.*Allowed: parameters in torch\.float32"):
@@ -97,7 +97,7 @@ def test_lightning_plan_after_on_bf16_weights_fails_before_the_first_step(tmp_pa
         import lightning.pytorch as pl
     except ImportError:
         pl = pytest.importorskip("pytorch_lightning", reason="Lightning is not installed: pip install pytorch-lightning")
-    from lowprec_demo.integrations import lightning_callback
+    from lowprec_demo.monitor.integrations import lightning_callback
 
     class Module(pl.LightningModule):
         def __init__(self):
@@ -235,7 +235,7 @@ def test_torch_dtypes_are_formats_wherever_the_watch_takes_one():
         assert lp.watch(model, opt, formats=(torch.float8_e4m3fn, torch.float8_e5m2)).formats == ["e4m3", "e5m2"]
     with pytest.raises(ValueError, match=r"torch\.int8 stores no format.*torch\.bfloat16"):
         lp.watch(model, opt, formats=(torch.int8,))
-    saved = lp.watch_report.WatchReport(lp.watch_report.jsonable(w.to_dict()))
+    saved = lp.monitor.report.WatchReport(lp.monitor.report.jsonable(w.to_dict()))
     assert saved.rows(torch.float16)[0]["format"] == "fp16"
 
 
@@ -271,7 +271,7 @@ def test_hf_values_reach_log_history_and_tensorboard(tmp_path):
     pytest.importorskip("transformers", reason="transformers is not installed: pip install transformers")
     pytest.importorskip("tensorboard", reason="tensorboard is not installed: pip install tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    from lowprec_demo.integrations import hf_callback
+    from lowprec_demo.monitor.integrations import hf_callback
     callback = hf_callback(formats=("bf16", "e8m5"))
     trainer = gpt2_trainer(tmp_path, callback, report_to=["tensorboard"])
     trainer.train()

@@ -6,7 +6,7 @@
    bit for bit: round to nearest on the exhaustive point sets of bf16, fp16, e4m3, e5m2, e5m3 and
    e2m1 (every policy), stochastic rounding (full resolution and 3 bits) on random inputs, and the
    freeze statistics. A mismatch is reported in the JSON, and the exit status is 1.
-2. Speed: ``python -m lowprec_demo.bench --device cuda --quick`` (quantize of 16M elements against
+2. Speed: ``python benchmarks/bench.py --device cuda --quick`` (quantize of 16M elements against
    the native casts, the nanoGPT and GPT-2 training steps, quantize against size), with the
    compile time of the fused kernels.
 
@@ -30,6 +30,7 @@ import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))   # the benchmark's modules
 
 
 def _say(t0, *args):
@@ -48,11 +49,11 @@ def check_bits(device: str, mode: str = "on", n_random: int = 50_000, stride: in
     import numpy as np
     import torch
 
-    from lowprec_demo import bit_kernels, kernels
+    from lowprec_demo.rounding import bits as bit_kernels, kernels
     from lowprec_demo.formats import get_format
-    from lowprec_demo.freeze_rule import rule_params
-    from lowprec_demo.prediction import RATIO_BINS
-    from lowprec_demo.rounding import quantize
+    from lowprec_demo.rounding.rule import rule_params
+    from lowprec_demo.freeze.prediction import RATIO_BINS
+    from lowprec_demo.rounding.core import quantize
 
     def exact_nearest(x, fmt, policy):   # float64 on the CPU: the package's exact route
         return quantize(x.cpu().double(), fmt, overflow=policy).float()
@@ -169,7 +170,8 @@ def main(argv=None) -> int:
             result["triton"] = triton.__version__
         except Exception as error:
             result["triton"] = f"not importable: {error}"
-        from lowprec_demo import bench, kernels
+        import bench
+        from lowprec_demo.rounding import kernels
     except Exception:
         result["error"] = traceback.format_exc()
         save()
@@ -183,7 +185,8 @@ def main(argv=None) -> int:
 
 
 def _stages(args, result: dict, t0: float, save) -> int:
-    from lowprec_demo import bench, kernels
+    import bench
+    from lowprec_demo.rounding import kernels
 
     if not args.no_check:
         _say(t0, "bits: compiled GPU kernels against the CPU's eager code ...")
@@ -198,7 +201,7 @@ def _stages(args, result: dict, t0: float, save) -> int:
         save()
 
     if time.time() - t0 < args.budget:
-        _say(t0, "speed: python -m lowprec_demo.bench --device cuda --quick ...")
+        _say(t0, "speed: python benchmarks/bench.py --device cuda --quick ...")
         try:
             left = args.budget - (time.time() - t0)
             if args.models == "auto":

@@ -63,8 +63,8 @@ t0 = time.time()
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "8")))
 
 import lowprec_demo as lp
-from lowprec_demo.experiments import get_experiment, make_config
-from lowprec_demo.training import train_formats, train_variants
+from lowprec_demo.book.experiments import get_experiment, make_config
+from lowprec_demo.book.training import train_formats, train_variants
 
 summary = {"stage": stage, "device": device, "budget_s": budget, "dry_run": dry, "torch": torch.__version__,
            "cuda_device": torch.cuda.get_device_name(0) if device == "cuda" else None}

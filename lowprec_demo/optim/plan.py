@@ -1,0 +1,295 @@
+"""A freeze plan: a remedy only for the tensors that need one.
+
+The freeze watch knows, per tensor, what cannot move now and what its forecast says will freeze
+before the run ends. :func:`make_plan` (``watch.plan(fmt)``) turns that into a
+:class:`FreezePlan`: per tensor one of :data:`PLAN_REMEDIES`, with the reason.
+
+* ``"nearest"``: round to nearest. A tensor whose forecast band does not reach the threshold
+  before the run's end keeps it: it costs nothing.
+* ``"master"``: a float32 master copy (4 bytes an element more). Given first to the tensors that
+  cannot move at all (every update below half a gap since the first watched step): a master
+  copy keeps every one of those updates, where the Kahan buffer on the format's grid loses
+  those below ``2^-(m+2)`` of a gap and stochastic rounding moves the weight by a whole gap on
+  the rare step it moves.
+* ``"kahan"``: Kahan compensation, its buffer on the format's grid when the format has at least
+  7 mantissa bits (2 bytes in bf16, as torch-optimi keeps it), in float32 otherwise. Given to
+  the tensors forecast to freeze (or frozen now), earliest first.
+* ``"stochastic"``: stochastic rounding, no byte more. Where the byte budget is spent, the
+  tensors left that need a remedy take it.
+
+The budget (``budget``, 1 byte per parameter by default) is counted over all the parameters the
+watch follows: ``plan.bytes_per_parameter()["extra"]`` stays at or below it. Tensors are served
+in order of need: those that cannot move, then those frozen now, then by forecast freeze step,
+the smaller first at a tie.
+
+``LowPrecisionOptimizer(optimizer, fmt, plan=plan)`` applies a plan, and
+:func:`~lowprec_demo.integrations.attach_plan` applies one to an optimizer a training loop already
+steps (the callbacks' ``plan_after=k``).
+
+Example:
+    >>> p = FreezePlan("bf16", {"w": "master", "b": "nearest"}, sizes={"w": 10, "b": 30})
+    >>> p.bytes_per_parameter()["extra"]      # 10 of 40 elements with 4 bytes more
+    1.0
+    >>> p.remedy("b")
+    'nearest'
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from lowprec_demo.formats import FloatFormat, get_format
+from lowprec_demo.common.output import atomic_write_json
+
+__all__ = ["FreezePlan", "PLAN_REMEDIES", "make_plan", "load_plan", "kahan_buffer_format", "resolve_plan"]
+
+PLAN_REMEDIES = ("nearest", "stochastic", "kahan", "master")
+_EXTRA_MASTER = 4.0     # a float32 master copy, bytes per element
+
+
+def kahan_buffer_format(fmt) -> Optional[str]:
+    """The format a plan keeps a Kahan buffer in: the weights' own when it has at least 7
+    mantissa bits (bf16, fp16), else None (float32: a buffer of 3 mantissa bits keeps too little
+    of the residual). Example: ``kahan_buffer_format("bf16")`` -> ``'bf16'``."""
+    f = get_format(fmt)
+    return f.name if f.man_bits >= 7 else None
+
+
+@dataclass
+class FreezePlan:
+    """Per tensor (by parameter name) the remedy of :data:`PLAN_REMEDIES` and why.
+
+    Attributes:
+        format: the storage format the plan is for (a name).
+        remedies: ``{name: remedy}``, in the optimizer's parameter order.
+        reasons: ``{name: plain words}``.
+        sizes: element counts; ``shapes`` the shapes; ``positions`` each tensor's index among
+            the optimizer's parameters (how a plan finds its tensors without the model).
+        kahan_format: the Kahan buffer's format (None: float32).
+        budget: the extra bytes per parameter the plan was allowed.
+        needs: the tensors that need a remedy, in order of need, each
+            ``{"tensor", "remedy" (the one it should get), "why"}`` (see :meth:`allocate`).
+        step, total_steps: the watched step it was made at, and the run's length.
+    """
+
+    format: str
+    remedies: Dict[str, str]
+    reasons: Dict[str, str] = field(default_factory=dict)
+    sizes: Dict[str, int] = field(default_factory=dict)
+    shapes: Dict[str, List[int]] = field(default_factory=dict)
+    positions: Dict[str, int] = field(default_factory=dict)
+    kahan_format: Optional[str] = "auto"
+    budget: Optional[float] = None
+    step: Optional[int] = None
+    total_steps: Optional[int] = None
+    needs: List[dict] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.format = get_format(self.format).name            # a ValueError names the valid formats
+        if not isinstance(self.remedies, dict) or not self.remedies:
+            raise ValueError("a plan needs at least one tensor: remedies={name: remedy}")
+        bad = {n: r for n, r in self.remedies.items() if r not in PLAN_REMEDIES}
+        if bad:
+            raise ValueError(f"a plan's remedies must be one of {', '.join(PLAN_REMEDIES)}; got {bad}")
+        if self.kahan_format == "auto":
+            self.kahan_format = kahan_buffer_format(self.format)
+        elif self.kahan_format is not None:
+            self.kahan_format = get_format(self.kahan_format).name
+        missing = [n for n in self.remedies if n not in self.sizes]
+        if missing and self.sizes:
+            raise ValueError(f"sizes has no entry for {missing}")
+
+    def allocate(self, order: Optional[List[str]] = None) -> "FreezePlan":
+        """A plan with the budget given out along ``order`` (the tensors of :attr:`needs`; None:
+        their order of need): each takes the remedy it should get while the bytes left allow
+        (a master copy that does not fit falls back to a Kahan buffer), stochastic rounding
+        after that; tensors outside :attr:`needs` keep their remedy. ``order=`` lets a control
+        give the same budget in another order."""
+        if self.budget is None:
+            raise ValueError("allocate needs the plan's budget (a plan made by watch.plan)")
+        by = {d["tensor"]: d for d in self.needs}
+        order = list(by) if order is None else list(order)
+        if sorted(order) != sorted(by):
+            raise ValueError("order must list exactly the tensors of needs")
+        out = FreezePlan(self.format, dict(self.remedies), dict(self.reasons), dict(self.sizes), dict(self.shapes),
+                         dict(self.positions), self.kahan_format, self.budget, self.step, self.total_steps,
+                         [dict(d) for d in self.needs])
+        left = float(self.budget) * sum(self.sizes.values())
+        for n in order:
+            preferred, size = by[n]["remedy"], self.sizes[n]
+            options = [preferred] + (["kahan"] if preferred == "master" else [])
+            chosen = next((r for r in options if self.extra_bytes(r) * size <= left + 1e-9), "stochastic")
+            left -= self.extra_bytes(chosen) * size
+            out.remedies[n] = chosen
+            out.reasons[n] = by[n]["why"] + ("" if chosen == preferred else f"; {chosen}" + (
+                " (the budget is spent)" if chosen == "stochastic" else " (a master copy would exceed the budget)"))
+        return out
+
+    def remedy(self, name: str) -> str:
+        """The remedy of tensor ``name``; a KeyError names the plan's tensors."""
+        if name not in self.remedies:
+            raise KeyError(f"the plan has no tensor {name!r}; it has {', '.join(self.remedies)}")
+        return self.remedies[name]
+
+    def tensors(self, remedy: str) -> List[str]:
+        """The tensors given ``remedy``."""
+        if remedy not in PLAN_REMEDIES:
+            raise ValueError(f"remedy must be one of {', '.join(PLAN_REMEDIES)}; got {remedy!r}")
+        return [n for n, r in self.remedies.items() if r == remedy]
+
+    def extra_bytes(self, remedy: str) -> float:
+        """What ``remedy`` stores per element beyond the weight itself."""
+        if remedy == "master":
+            return _EXTRA_MASTER
+        if remedy == "kahan":
+            return get_format(self.kahan_format).bits / 8 if self.kahan_format else 4.0
+        return 0.0
+
+    def bytes_per_parameter(self) -> dict:
+        """Per element of the plan's tensors: ``weights`` (the format's width), ``master``,
+        ``compensation``, their ``total``, and ``extra`` (what the plan stores beyond round to
+        nearest everywhere). The optimizer's own state (Adam's moments) is left out: it is the
+        same with or without the plan."""
+        sizes = self.sizes or {n: 1 for n in self.remedies}
+        count = sum(sizes.values())
+        out = {"weights": get_format(self.format).bits / 8, "master": 0.0, "compensation": 0.0}
+        for n, r in self.remedies.items():
+            key = {"master": "master", "kahan": "compensation"}.get(r)
+            if key:
+                out[key] += sizes[n] * self.extra_bytes(r) / count
+        out["extra"] = out["master"] + out["compensation"]
+        out["total"] = out["weights"] + out["extra"]
+        return out
+
+    def counts(self) -> Dict[str, tuple]:
+        """Per remedy: (tensors, elements)."""
+        sizes = self.sizes or {n: 1 for n in self.remedies}
+        return {r: (len(self.tensors(r)), sum(sizes[n] for n in self.tensors(r))) for r in PLAN_REMEDIES}
+
+    def summary(self, show: bool = True) -> str:
+        """A table (tensor, size, remedy, reason) and the bytes, printed unless ``show=False``."""
+        b = self.bytes_per_parameter()
+        made = f" at step {self.step} of {self.total_steps}" if self.step is not None else ""
+        lines = [f"freeze plan for {self.format}{made}: {b['extra']:.3g} bytes per parameter above round to nearest"
+                 + (f" (budget {self.budget:g})" if self.budget is not None else ""),
+                 "  " + ", ".join(f"{r}: {t} tensors, {e:,} elements" for r, (t, e) in self.counts().items() if t),
+                 "| tensor | elements | remedy | why |", "|---|---|---|---|"]
+        for n, r in self.remedies.items():
+            lines.append(f"| {n} | {self.sizes.get(n, 0):,} | {r} | {self.reasons.get(n, '')} |")
+        text = "\n".join(lines)
+        if show:
+            print(text)
+        return text
+
+    def to_dict(self) -> dict:
+        return {"kind": "lowprec_demo.freeze_plan", "format": self.format, "remedies": dict(self.remedies),
+                "reasons": dict(self.reasons), "sizes": dict(self.sizes),
+                "shapes": {n: list(s) for n, s in self.shapes.items()}, "positions": dict(self.positions),
+                "kahan_format": self.kahan_format, "budget": self.budget, "step": self.step,
+                "total_steps": self.total_steps, "needs": [dict(d) for d in self.needs]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "FreezePlan":
+        if not isinstance(d, dict) or d.get("kind") != "lowprec_demo.freeze_plan":
+            raise ValueError("not a freeze plan (a dict written by FreezePlan.to_dict, kind 'lowprec_demo.freeze_plan')")
+        return cls(format=d["format"], remedies=d["remedies"], reasons=d.get("reasons", {}),
+                   sizes={n: int(v) for n, v in d.get("sizes", {}).items()},
+                   shapes={n: list(v) for n, v in d.get("shapes", {}).items()},
+                   positions={n: int(v) for n, v in d.get("positions", {}).items()},
+                   kahan_format=d.get("kahan_format"), budget=d.get("budget"), step=d.get("step"),
+                   total_steps=d.get("total_steps"), needs=[dict(x) for x in d.get("needs", [])])
+
+    def save(self, path) -> Path:
+        """Write the plan as JSON, atomically."""
+        return atomic_write_json(path, self.to_dict())
+
+
+def load_plan(path) -> FreezePlan:
+    """A plan written by :meth:`FreezePlan.save`."""
+    return FreezePlan.from_dict(json.loads(Path(path).read_text()))
+
+
+def make_plan(watch, fmt=None, budget: float = 1.0, threshold: Optional[float] = None,
+              total_steps: Optional[int] = None, kahan_format="auto") -> FreezePlan:
+    """The plan of a watch in prediction mode for format ``fmt`` (its first when None), from its
+    diagnoses and its forecast (see the module docstring for the rule). ``budget``: extra bytes
+    per parameter allowed over round to nearest everywhere; ``threshold`` and ``total_steps`` as
+    for the forecast; ``kahan_format``: the Kahan buffer's format (``"auto"``: see
+    :func:`kahan_buffer_format`; None: float32)."""
+    if watch.mode != "predict":
+        raise ValueError("a plan is made from the forecast of a float32 run (the watch in prediction mode); this "
+                         "watch observes parameters stored in low precision")
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget >= 0:
+        raise ValueError(f"budget must be a number of bytes per parameter >= 0, got {budget!r}")
+    rec = watch.record(fmt)
+    f = rec.format
+    fc = watch.forecast(f, threshold, total_steps)
+    total = total_steps if total_steps is not None else watch.total_steps
+    plan = FreezePlan(f, {n: "nearest" for n in watch.tracked}, kahan_format=kahan_format, budget=float(budget),
+                      sizes={n: watch.sizes[n] for n in watch.tracked}, step=watch.steps[-1], total_steps=total,
+                      shapes={n: list(watch.shape_of(n)) for n in watch.tracked},
+                      positions={n: watch.names.index(n) for n in watch.tracked})
+    held = {d.tensor: d for d in watch.diagnoses()
+            if d.kind in ("cannot_move", "frozen") and d.numbers.get("format") == f}
+    needs = []      # (order of need, size, name, preferred remedy, why)
+    for n in watch.tracked:
+        band = fc["by_tensor"][n]
+        if n in held and held[n].kind == "cannot_move":
+            needs.append(((0, 0), watch.sizes[n], n, "master",
+                          f"cannot move: at least {held[n].numbers['frozen']:.1%} of its updates below half a gap on "
+                          f"every watched step"))
+        elif n in held:
+            needs.append(((1, 0), watch.sizes[n], n, "kahan",
+                          f"frozen now: {held[n].numbers['frozen']:.1%} held for the last {held[n].numbers['steps']} "
+                          f"watched steps"))
+        elif band["low"] is not None:
+            at = band["step"] if band["step"] is not None else band["low"]
+            high = "the end" if band["high"] is None else band["high"]
+            if at <= watch.steps[-1]:
+                why = f"frozen since step {at} (at least {watch.threshold:.0%} held from then on)"
+            elif band["step"] is None:
+                why = f"forecast to freeze after the run, the band's early edge at step {band['low']} of {total}"
+            else:
+                why = f"forecast to freeze at step {at} (band {band['low']}-{high}) of {total}"
+            needs.append(((2, at), watch.sizes[n], n, "kahan", why))
+        else:
+            plan.reasons[n] = f"forecast not to freeze within the run's {total} steps"
+    plan.needs = [{"tensor": n, "remedy": preferred, "why": why}
+                  for _, _, n, preferred, why in sorted(needs, key=lambda x: (x[0], x[1]))]
+    return plan.allocate()
+
+
+def resolve_plan(plan: FreezePlan, optimizer_params: list, model=None) -> Dict[int, str]:
+    """``{id(param): remedy}`` for the optimizer's parameters the plan names: by name through
+    ``model.named_parameters()`` when a model is given, else by the plan's recorded positions
+    among the optimizer's non-empty parameters, each checked against its recorded shape."""
+    out = {}
+    if model is not None:
+        named = dict(model.named_parameters())
+        in_opt = {id(p) for p in optimizer_params}
+        for n, r in plan.remedies.items():
+            if n not in named:
+                raise ValueError(f"the plan names {n!r}, which is not a parameter of the model; the model has "
+                                 f"{', '.join(list(named)[:8])}{', ...' if len(named) > 8 else ''}")
+            p = named[n]
+            if id(p) not in in_opt:
+                raise ValueError(f"the plan names {n!r}, which the optimizer does not train")
+            if n in plan.shapes and list(p.shape) != list(plan.shapes[n]):
+                raise ValueError(f"the plan was made for {n!r} of shape {plan.shapes[n]}; the model's is {list(p.shape)}")
+            out[id(p)] = r
+        return out
+    order = [p for p in optimizer_params if p.numel() > 0]
+    for n, r in plan.remedies.items():
+        i = plan.positions.get(n)
+        if i is None:
+            raise ValueError(f"the plan does not record where {n!r} sits among the optimizer's parameters: pass "
+                             f"model= so that it is found by name")
+        if i >= len(order) or (n in plan.shapes and list(order[i].shape) != list(plan.shapes[n])):
+            got = list(order[i].shape) if i < len(order) else "none"
+            raise ValueError(f"the plan's {n!r} (parameter {i}, shape {plan.shapes.get(n)}) does not match this "
+                             f"optimizer's parameter {i} (shape {got}): pass model= so that tensors are found by name")
+        out[id(order[i])] = r
+    return out

@@ -1,0 +1,18 @@
+"""Rounding onto a format's grid, bit for bit, and the freeze rule.
+
+``quantize`` and ``quantize_`` round to nearest (ties to even) or stochastically; ``ulp`` is the
+gap at a value; ``would_freeze``, ``move_probability`` and ``update_ulp_ratio`` apply the freeze
+rule to a weight and an update. ``rule`` writes the rule once, ``bits`` holds the integer kernels
+on float32 bit patterns, and ``kernels`` compiles them or runs them eagerly.
+
+Example:
+    >>> import torch
+    >>> quantize(torch.tensor([1.001]), "bf16").item()
+    1.0
+"""
+
+from lowprec_demo.rounding.core import (ROUNDING_MODES, GeneratorLike, decay_rounds_back, draw_seed, move_probability,
+                                        quantize, quantize_, random_bits, ulp, update_ulp_ratio, would_freeze)
+
+__all__ = ["quantize", "quantize_", "ulp", "would_freeze", "move_probability", "update_ulp_ratio", "decay_rounds_back",
+           "ROUNDING_MODES", "GeneratorLike", "random_bits", "draw_seed"]
