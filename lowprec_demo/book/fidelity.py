@@ -262,7 +262,7 @@ def real_and_simulated(lr: float = 1e-3, optimizer: str = "adamw", fmt: str = "b
         >>> sorted(r)
         ['real', 'second_moment_decreased', 'simulated']
     """
-    from lowprec_demo.optim.optimizer import LowPrecisionOptimizer# optimizer imports rounding, as this module does
+    from lowprec_demo.optim.optimizer import LowPrecisionOptimizer  # optimizer imports rounding, as this module does
 
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
     if fmt not in dtypes:

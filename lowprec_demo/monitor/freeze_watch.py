@@ -63,6 +63,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from lowprec_demo.rounding import kernels
+from lowprec_demo.monitor import sampling
 from lowprec_demo.optim import sharding
 from lowprec_demo.monitor import forecast as watch_forecast
 from lowprec_demo.formats import DTYPE_FORMATS, FloatFormat, format_of_dtype, get_format
@@ -75,7 +76,7 @@ from lowprec_demo.rounding.core import move_probability, update_ulp_ratio, would
 from lowprec_demo.common.output import progress_bar
 from lowprec_demo.monitor.diagnoses import DIAGNOSIS_KINDS, Diagnosis, diagnose
 from lowprec_demo.monitor.forecast import EDGES, check_schedule, schedule_length, unwrap_scheduler
-from lowprec_demo.monitor.forecast import MEMORY as _MEMORY# the forecast histogram's moving average, kept in after_step
+from lowprec_demo.monitor.forecast import MEMORY as _MEMORY  # the forecast histogram's moving average, kept in after_step
 from lowprec_demo.monitor.forecast import RECENT as _RECENT, RatioTrend
 from lowprec_demo.monitor.report import WatchReport, jsonable, load_watch, watch_format
 
@@ -205,7 +206,7 @@ class FreezeWatch:
         followed = [self._params[n] for n in self.tracked]
         # FSDP2 (DTensor parameters): each process follows its pieces, the counts added over processes
         self.sharded = sharding.any_sharded(followed)
-        self._plan = (sharding.ShardedSamplePlan if self.sharded else sharding.SamplePlan)(followed, sample)
+        self._plan = (sampling.ShardedSamplePlan if self.sharded else sampling.SamplePlan)(followed, sample)
         self._groups = self._group_tensors()
         self._step = 0
         self._state_values: Dict[tuple, float] = {}
@@ -296,7 +297,7 @@ class FreezeWatch:
             seen = seen if seen.dtype == torch.bool else seen > 0
             self._rows_seen[n] = seen if n not in self._rows_seen else self._rows_seen[n] | seen
 
-    def _predict(self, plan: "sharding.SamplePlan", old: torch.Tensor, new: torch.Tensor, grad: torch.Tensor,
+    def _predict(self, plan: "sampling.SamplePlan", old: torch.Tensor, new: torch.Tensor, grad: torch.Tensor,
                  row_names: List[str], rows: List[torch.Tensor]) -> None:
         """Prediction mode's point of every record, from the rule at ``q(old)``: per format one
         pass writes the codes of :func:`lowprec_demo.freeze_rule.watch_code` (tensor, bin of

@@ -28,7 +28,7 @@ from lowprec_demo.book.results import TrainResult
 from lowprec_demo.book.training import Variants, train_formats, train_variants
 from lowprec_demo.book.experiments.registry import (Experiment, ExperimentOptions, experiment_names, get_experiment, register)
 # importing each experiment's module registers it
-from lowprec_demo.book.experiments import quadratic, regression, mlp, mnist, nanogpt, gpt2# noqa: F401
+from lowprec_demo.book.experiments import quadratic, regression, mlp, mnist, nanogpt, gpt2  # noqa: F401
 from lowprec_demo.book.experiments.quadratic import QuadraticOptions
 from lowprec_demo.book.experiments.regression import RegressionOptions
 from lowprec_demo.book.experiments.mlp import MLPOptions
