@@ -55,6 +55,7 @@ from typing import Dict, List, Optional
 import torch
 
 from lowprec_demo.rounding import bits as bit_kernels, kernels
+from lowprec_demo.rounding.rule import RoundParams, round_params
 from bench_report import report, summary
 from lowprec_demo.book.experiments import get_experiment, make_config
 from lowprec_demo.formats import get_format
@@ -154,8 +155,9 @@ def bench_quantize(n: int, device: str, repeats: int, eager: bool = True) -> Lis
 def _hash_only(bits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """The stochastic-rounding kernel's random bits alone, one int32 per element of ``bits``
     (for the split)."""
-    r = torch.arange(bits.numel(), dtype=torch.int32, device=bits.device) + p[8]
-    return bit_kernels.hash32(r, p[6], p[7])
+    q = RoundParams.read(p)
+    r = torch.arange(bits.numel(), dtype=torch.int32, device=bits.device) + q.index_offset
+    return bit_kernels.hash32(r, q.seed_lo, q.seed_hi)
 
 
 def bench_split(n: int, device: str, repeats: int) -> dict:
@@ -171,8 +173,8 @@ def bench_split(n: int, device: str, repeats: int) -> dict:
     x = torch.randn(n, device=device)
     bits = x.view(torch.int32)
     fmt = get_format("bf16")
-    pn = torch.tensor(bit_kernels.nearest_params(fmt, fmt.overflow), dtype=torch.int32, device=device)
-    ps = torch.tensor(bit_kernels.stochastic_params(fmt, fmt.overflow, None, 1), dtype=torch.int32, device=device)
+    pn = round_params(fmt).tensor(device)
+    ps = round_params(fmt, seed=1).tensor(device)
     compiled = {name: torch.compile(fn, dynamic=True, fullgraph=True)
                 for name, fn in (("nearest", bit_kernels.rne_bits), ("hash", _hash_only), ("stochastic", bit_kernels.sr_bits))}
     cases = {"copy": lambda: x.clone(), "native": lambda: x.to(torch.bfloat16).float(),

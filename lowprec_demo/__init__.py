@@ -1,10 +1,9 @@
 """lowprec_demo: watch weights freeze in low-precision training, and predict when.
 
-When an optimizer update is smaller than half the unit in the last place (ULP) of a stored
-weight, round-to-nearest hands back the same weight. This package simulates any small float
-format exactly (bit for bit), wraps any torch optimizer so stored weights live on that format's
-grid, predicts from a high-precision run when each weight freezes, and watches any training loop
-for it.
+When an optimizer update is smaller than half the unit in the last place (ULP) of a stored weight, round-to-nearest
+hands back the same weight. This package simulates any small float format exactly (bit for bit), wraps any torch
+optimizer so stored weights live on that format's grid, predicts from a high-precision run when each weight freezes,
+and watches any training loop for it.
 
 Five layers, each a subpackage that imports only those before it:
 
@@ -14,10 +13,9 @@ Five layers, each a subpackage that imports only those before it:
 * ``freeze``: freezes predicted from a high-precision run and observed in a low-precision one;
 * ``monitor``: the freeze watch (:func:`watch`), its forecast, diagnoses, report and callbacks;
 
-and ``book``, the book's machinery (experiments, training loop, results, plots), which the layers
-never import. ``import lowprec_demo`` loads none of them until a name is used; the names below are
-the user's API, and the book's names (``run_experiment``, ``scale``, ``plots`` ...) stay reachable
-here too.
+and ``book``, the book's machinery (experiments, training loop, results, plots), which the layers never import.
+``import lowprec_demo`` loads none of them until a name is used; the names below are the user's API, and the book's
+names (``run_experiment``, ``scale``, ``plots`` ...) stay reachable here too.
 
 Example:
     >>> import torch

@@ -1,28 +1,9 @@
-"""Command line: run an experiment and write its JSON result.
-
-Usage::
-
-    python -m lowprec_demo run EXPERIMENT [--format NAME] [--steps N] [--lr LR] [--seed S]
-        [--device cpu|cuda|auto] [--scale quick|full] [--out results.json] [--set key=value ...]
-    python -m lowprec_demo list
-    python -m lowprec_demo report WATCH.json [--format NAME] [--plot out.png]
-
-The JSON holds ``experiment``, ``config``, ``provenance`` (package and torch versions, device,
-git commit, date), ``runs`` (``reference``, ``nearest``, ``stochastic``, each with a per-step
-``loss`` list; the low-precision ones also ``frozen_observed``) and ``prediction``
-(``frozen_predicted`` per step, ``threshold``, ``freeze_step``). It is written atomically.
-
-``--set key=value`` sets a :class:`~lowprec_demo.training.TrainConfig` field (the value read as
-the field's type: ``--set momentum=0.9``, ``--set betas=0.9,0.95``, ``--set sr_seed=None``) or
-one of the experiment's options (read as the type its options dataclass declares: ``--set
-dim=8``, ``--set bias=false``). Before any training the command checks everything it can: an
-unknown key (the message lists the valid ones), a value of the wrong type, a field given both by
-its flag and by ``--set``, and an ``--out`` where no file can be written; each ends the command
-with a usage message and exit status 2.
-
-Example:
-    ``python -m lowprec_demo run quadratic --format bf16 --out r.json``
-"""
+"""The command line: ``python -m lowprec_demo run EXPERIMENT [--format NAME] [--steps N] [--lr LR] [--seed S]
+[--device cpu|cuda|auto] [--scale quick|full] [--out results.json] [--set key=value ...]`` writes the result's JSON
+(:meth:`~lowprec_demo.book.results.TrainResult.to_dict`, atomically); ``list`` names the experiments; ``report
+WATCH.json [--format NAME] [--plot out.png]`` prints a saved freeze watch. ``--set`` sets a TrainConfig field or an
+experiment option, read as its declared type (``--set betas=0.9,0.95``, ``--set bias=false``). Everything that can be
+checked is checked before training: a refused setting or ``--out`` ends the command with exit status 2."""
 
 from __future__ import annotations
 
@@ -35,13 +16,12 @@ import typing
 from pathlib import Path
 from typing import List, Optional
 
-if __name__ == "__main__" and not __package__:
-    # run as a file (``torchrun lowprec_demo/cli.py run ...``): import the package it belongs to
+if __name__ == "__main__" and not __package__:   # run as a file: ``torchrun lowprec_demo/cli.py run ...``
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import lowprec_demo  # noqa: F401
     __package__ = "lowprec_demo"
 
-from lowprec_demo.formats import FORMAT_NAMES, get_format
+from lowprec_demo.formats import FORMAT_NAMES
 from lowprec_demo.book.runtime import DEVICES, SCALES, pick_device
 
 # TrainConfig fields that have a flag of their own: --set may give them too, but not both ways
@@ -63,11 +43,9 @@ def _literal(text: str):
 
 def _as_bool(text: str) -> bool:
     lowered = text.strip().lower()
-    if lowered in ("true", "1", "yes", "on"):
-        return True
-    if lowered in ("false", "0", "no", "off"):
-        return False
-    raise ValueError
+    if lowered not in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+        raise ValueError
+    return lowered in ("true", "1", "yes", "on")
 
 
 def _as_int(text: str) -> int:
@@ -101,9 +79,8 @@ _READERS = {bool: (_as_bool, "true or false"), int: (_as_int, "an integer"),
 
 def _field_types() -> dict:
     from lowprec_demo.book.config import TrainConfig
-    hints = typing.get_type_hints(TrainConfig)
     types = {}
-    for name, hint in hints.items():
+    for name, hint in typing.get_type_hints(TrainConfig).items():
         args = typing.get_args(hint)
         optional = typing.get_origin(hint) is typing.Union and type(None) in args
         base = next(a for a in args if a is not type(None)) if optional else (typing.get_origin(hint) or hint)
@@ -113,8 +90,7 @@ def _field_types() -> dict:
 
 def parse_setting(key: str, text: str, kind: Optional[type] = None, optional: bool = False):
     """The value of ``--set key=text`` as a ``kind`` (bool, int, float, tuple or str; None: a
-    Python literal, else the text), ``None``/``none`` allowed when ``optional``; a SettingError
-    names the key, the value and the type expected.
+    Python literal, else the text; ``None`` allowed when ``optional``), or a SettingError.
 
     Example:
         >>> parse_setting("lr", "3e-4", float), parse_setting("betas", "0.9,0.95", tuple)
@@ -137,11 +113,8 @@ def parse_setting(key: str, text: str, kind: Optional[type] = None, optional: bo
 
 
 def parse_sets(experiment: str, items: List[str], scale: Optional[str] = None) -> dict:
-    """The ``--set key=value`` items as typed settings for ``experiment``: a TrainConfig field
-    parsed to the field's type, an option to the type of its field in the experiment's options
-    dataclass (for an experiment that declares none, the type of its default at ``scale``, or a
-    Python literal, else text). Unknown keys, the ``options`` field itself and malformed items
-    raise SettingError, naming what is allowed.
+    """The ``--set key=value`` items as typed settings for ``experiment`` (an option undeclared by its
+    experiment is read as its default's type at ``scale``, or a literal), or a SettingError.
 
     Example:
         >>> parse_sets("quadratic", ["dim=8", "momentum=0.9"])
@@ -165,34 +138,23 @@ def parse_sets(experiment: str, items: List[str], scale: Optional[str] = None) -
             check_settings(experiment, {key: None})
         except ValueError as error:
             raise SettingError(f"--set {item}: {error}") from None
-        if key in types:
-            kind, optional = types[key]
-        elif key in option_types:
-            kind, optional = option_types[key]
-        else:
-            default = defaults.get(key)
-            kind, optional = (None, False) if default is None else (type(default), False)
+        default = defaults.get(key)
+        kind, optional = types.get(key) or option_types.get(key) or (None if default is None else type(default), False)
         out[key] = parse_setting(key, text, kind, optional)
     return out
 
 
 def check_out(path: str) -> Path:
-    """Raise SettingError unless a result can be written at ``path``: not a folder, and the
-    folder it goes in (created when missing) exists or can be made, and takes a new file.
-    Checked before training so that a long run is not lost at the end.
-
-    Example: ``check_out("results.json")`` -> ``PosixPath('results.json')``."""
+    """Raise SettingError unless ``path`` is writable (checked before training, so a long run is not lost)."""
     out = Path(path)
     if out.is_dir():
         raise SettingError(f"--out {path}: is a folder; give a file name, e.g. --out {out / 'results.json'}")
-    folder = out.parent
-    existing = folder
+    folder = existing = out.parent
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     if not existing.is_dir():
         raise SettingError(f"--out {path}: {existing} is a file, not a folder")
     try:
-        # the result is written as a new file in that folder, then renamed into place
         with tempfile.TemporaryFile(dir=existing):
             pass
     except OSError as error:
@@ -221,16 +183,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--threshold", type=float, default=None, help="frozen fraction that defines the freeze step")
     run.add_argument("--rand-bits", type=int, default=None, help="few-bit stochastic rounding with this many bits")
     run.add_argument("--predict", default="", help="extra formats to predict from the same reference, comma separated")
-    run.add_argument("--variants", default=None,
-                     help="comma-separated runs (default reference,nearest,stochastic; also kahan, kahan_lp, master, "
-                          "nearest_state, stochastic_state)")
+    run.add_argument("--variants", default=None, help="comma-separated runs (default reference,nearest,stochastic; "
+                                                      "also kahan, kahan_lp, master, nearest_state, stochastic_state)")
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                      help="a config field or an experiment option, e.g. --set dim=1 or --set momentum=0.9 "
                           "(repeatable; a field's value is read as the field's type; a field with a flag of "
                           "its own may be given either way, not both)")
     run.add_argument("--out", default="results.json",
-                     help="output JSON path (default results.json; missing folders are made), checked before "
-                          "training")
+                     help="output JSON path (default results.json; missing folders are made), checked before training")
     run.add_argument("--max-points", type=int, default=1000,
                      help="keep per-tensor curves at most this long in the JSON (0: all)")
     run.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -245,12 +205,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _report(args: argparse.Namespace) -> int:
-    """``report PATH``: the table of a saved watch, and with ``--plot`` its figure. A file that
-    is not a readable freeze-watch report, and a ``--plot`` that cannot be written, end the
-    command with one line saying why and exit status 2."""
+    """``report PATH``: a saved watch's table, and with ``--plot`` its figure (exit status 2 and why)."""
     import json
 
-    from lowprec_demo.monitor.freeze_watch import WatchReport
+    from lowprec_demo.monitor import WatchReport
     fail = args.report_parser
     if os.path.isdir(args.path):
         return _fail(fail, f"{args.path}: is a directory, not a saved report (give the JSON file watch.save wrote)")
@@ -264,8 +222,7 @@ def _report(args: argparse.Namespace) -> int:
     except ValueError as exc:     # not JSON (or not text)
         return _fail(fail, f"{args.path}: not a JSON file ({exc})")
     try:
-        report = WatchReport(data)
-        text = report.summary(args.fmt, show=False)
+        text = (report := WatchReport(data)).summary(args.fmt, show=False)
     except (ValueError, KeyError, TypeError) as exc:   # not a watch report, or a format it does not hold
         message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         return _fail(fail, f"{args.path}: {message}")
@@ -277,10 +234,9 @@ def _report(args: argparse.Namespace) -> int:
         ax = report.plot(args.fmt)
         try:
             ax.figure.savefig(args.plot, dpi=120, bbox_inches="tight")
-        except OSError as exc:
-            return _fail(fail, f"--plot {args.plot}: cannot write it ({exc.strerror or exc})")
-        except ValueError as exc:      # a file type matplotlib does not write
-            return _fail(fail, f"--plot {args.plot}: {exc}")
+        except (OSError, ValueError) as exc:      # ValueError: a file type matplotlib does not write
+            reason = f"cannot write it ({exc.strerror or exc})" if isinstance(exc, OSError) else exc
+            return _fail(fail, f"--plot {args.plot}: {reason}")
         finally:
             plt.close(ax.figure)
         print(f"wrote {args.plot}")
@@ -288,8 +244,7 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _fail(parser: argparse.ArgumentParser, message: str) -> int:
-    """Report an error the way argparse does (usage, then ``prog: error: message``) and return
-    its exit status, 2."""
+    """Report an error as argparse does (usage, then ``prog: error: message``); returns 2."""
     parser.print_usage(sys.stderr)
     print(f"{parser.prog}: error: {message}", file=sys.stderr)
     return 2
@@ -305,14 +260,12 @@ def _settings(args: argparse.Namespace) -> dict:
     sets = parse_sets(args.experiment, args.set, args.scale)
     for key in sets:
         if key in flags:
-            raise SettingError(f"{key} is given twice: {_FLAGS[key]} {flags[key]} and --set {key}=...; "
-                               f"give it once")
+            raise SettingError(f"{key} is given twice: {_FLAGS[key]} {flags[key]} and --set {key}=...; give it once")
     return {**flags, **sets}
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """Entry point; returns the exit status. Under ``torchrun`` every process trains its share
-    and only rank 0 prints and writes the JSON."""
+    """Entry point; returns the exit status (under ``torchrun`` rank 0 prints and writes the JSON)."""
     from lowprec_demo.book.experiments import experiment_names, get_experiment, make_config, run_experiment
     from lowprec_demo.book.distributed import finish_distributed, init_distributed
     parser = build_parser()
@@ -325,8 +278,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.command == "report":
         return _report(args)
     fail = args.run_parser
-    try:
-        # everything that can be checked is checked before any training
+    try:   # everything that can be checked, before any training
         if args.experiment not in experiment_names():
             raise SettingError(f"unknown experiment {args.experiment!r}; valid experiments: "
                                f"{', '.join(experiment_names())}")

@@ -1,21 +1,12 @@
 """Floating-point formats: what a format's grid looks like.
 
-A binary floating-point format with ``E`` exponent bits and ``m`` stored mantissa bits represents
-
-* normal numbers ``(1 + f / 2**m) * 2**e`` for ``e_min <= e <= e_max`` and ``0 <= f < 2**m``;
-* subnormal numbers ``(f / 2**m) * 2**e_min``, evenly spaced below the smallest normal number.
-
-The spacing of the grid around ``w`` is ``ulp(w) = 2**(max(floor(log2|w|), e_min) - m)``.
-Three encodings of the top exponent are in use:
-
-``"ieee"``
-    The top exponent field is reserved for infinity and NaN (fp32, bf16, fp16, fp8 E5M2, tf32).
-``"fn"``
-    "Finite plus NaN" (OCP fp8 E4M3): no infinity; the top exponent holds numbers, except the
-    all-ones mantissa, which is NaN. E4M3's largest value is 448.
-``"finite"``
-    No infinity and no NaN (the OCP Microscaling element types fp6 E3M2, fp6 E2M3, fp4 E2M1):
-    every encoding is a number.
+A binary format with ``E`` exponent bits and ``m`` stored mantissa bits holds the normal numbers
+``(1 + f / 2**m) * 2**e`` (``e_min <= e <= e_max``, ``0 <= f < 2**m``) and, evenly spaced below the smallest normal, the
+subnormal numbers ``(f / 2**m) * 2**e_min``: the grid's spacing around ``w`` is
+``ulp(w) = 2**(max(floor(log2|w|), e_min) - m)``. The top exponent field is encoded in one of three ways (``kind``):
+``"ieee"`` reserves it for inf and NaN (fp32, tf32, bf16, fp16, fp8 E5M2); ``"fn"`` ("finite plus NaN", OCP fp8 E4M3,
+max 448) has no inf, and there only the all-ones mantissa is NaN; ``"finite"`` (the OCP Microscaling fp6 E3M2, fp6 E2M3,
+fp4 E2M1) has neither: every encoding is a number.
 
 Example:
     >>> get_format("e4m3").max
@@ -43,8 +34,7 @@ MAN_BITS_RANGE = range(0, 24)
 
 def check_overflow_policy(fmt: "FloatFormat", overflow: str) -> None:
     """Raise ValueError unless ``overflow`` is a policy the format can express."""
-    allowed = [p for p in OVERFLOW_POLICIES
-               if not (p == "inf" and not fmt.has_inf) and not (p == "nan" and not fmt.has_nan)]
+    allowed = [p for p in OVERFLOW_POLICIES if (p != "inf" or fmt.has_inf) and (p != "nan" or fmt.has_nan)]
     if overflow not in allowed:
         raise ValueError(
             f"overflow policy {overflow!r} is not available for {fmt.name or 'this format'}; "
@@ -54,19 +44,10 @@ def check_overflow_policy(fmt: "FloatFormat", overflow: str) -> None:
 
 @dataclass(frozen=True)
 class FloatFormat:
-    """A binary floating-point format with ``exp_bits`` exponent bits and ``man_bits`` stored
-    mantissa bits.
-
-    Args:
-        exp_bits: exponent width E, 2..8.
-        man_bits: stored (explicit) mantissa width m, 0..23.
-        kind: ``"ieee"`` (inf and NaN at the top exponent), ``"fn"`` (no inf, NaN only at the
-            all-ones pattern, as OCP E4M3) or ``"finite"`` (no inf, no NaN, as the MX types).
-        name: a display name; defaults to ``"e{E}m{m}"``.
-        overflow: what a value beyond ``max`` becomes: ``"inf"``, ``"saturate"`` (to +-max) or
-            ``"nan"``. Defaults to ``"inf"`` where the format has inf, else ``"saturate"``.
-
-    The bias is ``2**(E-1) - 1``, the smallest normal exponent ``e_min = 1 - bias``.
+    """A format with E = ``exp_bits`` (2..8) exponent bits, m = ``man_bits`` (0..23) stored
+    mantissa bits, a ``kind`` (see the module), a display ``name`` (default ``"e{E}m{m}"``) and an
+    ``overflow`` policy, what a value beyond ``max`` becomes: ``"inf"``, ``"saturate"`` (to
+    +-max) or ``"nan"`` (default: ``"inf"`` where the format has inf, else ``"saturate"``).
 
     Example:
         >>> FloatFormat(5, 3).max   # an IEEE-like 9-bit format "e5m3"
@@ -96,7 +77,6 @@ class FloatFormat:
             object.__setattr__(self, "overflow", "inf" if self.has_inf else "saturate")
         check_overflow_policy(self, self.overflow)
 
-    # --- exponent range -------------------------------------------------------------------
     @property
     def bias(self) -> int:
         """Exponent bias ``2**(E-1) - 1``."""
@@ -113,7 +93,6 @@ class FloatFormat:
         top = 2**self.exp_bits - 1 - self.bias  # exponent of the all-ones exponent field
         return top - 1 if self.kind == "ieee" else top
 
-    # --- special values -------------------------------------------------------------------
     @property
     def has_inf(self) -> bool:
         """Whether the format encodes infinity."""
@@ -121,15 +100,13 @@ class FloatFormat:
 
     @property
     def has_nan(self) -> bool:
-        """Whether the format encodes NaN. An "ieee" format without mantissa bits has a single
-        pattern in its top exponent field, inf, and so no NaN."""
+        """Whether the format encodes NaN (an "ieee" format without mantissa bits has only inf)."""
         return self.kind == "fn" or (self.kind == "ieee" and self.man_bits > 0)
 
-    # --- landmarks of the grid (exact as Python floats: every one is a dyadic rational) ---
     @property
     def max(self) -> float:
-        """Largest finite value. ``(2 - 2**-m) * 2**e_max``; for "fn" the all-ones mantissa is
-        NaN, so ``(2 - 2**(1-m)) * 2**e_max``."""
+        """Largest finite value, ``(2 - 2**-m) * 2**e_max`` (for "fn" ``(2 - 2**(1-m)) * 2**e_max``).
+        Every landmark is a dyadic rational, exact as a Python float."""
         top_mantissa = 2**self.man_bits - (2 if self.kind == "fn" else 1)
         return (1 + top_mantissa / 2**self.man_bits) * 2.0**self.e_max
 
@@ -140,8 +117,7 @@ class FloatFormat:
 
     @property
     def smallest_subnormal(self) -> float:
-        """The smallest subnormal number ``2**(e_min - m)``, which is also the constant spacing of
-        the grid below the smallest normal."""
+        """``2**(e_min - m)``, also the grid's spacing below the smallest normal."""
         return 2.0 ** (self.e_min - self.man_bits)
 
     @property
@@ -160,17 +136,12 @@ class FloatFormat:
         ``(2**-(m+2), 2**-(m+1)]`` for normal ``w`` (the lower end at a power of two)."""
         return (2.0 ** -(self.man_bits + 2), 2.0 ** -(self.man_bits + 1))
 
-    # --- native equivalents ---------------------------------------------------------------
     @property
     def torch_dtype(self) -> Optional[torch.dtype]:
         """The torch dtype with exactly this grid and the same overflow rule, if there is one."""
-        key = (self.exp_bits, self.man_bits, self.kind)
-        dtype = _TORCH_DTYPES.get(key)
-        if dtype is None:
-            return None
-        # torch's casts send overflow to inf (ieee) or saturate (float8_e4m3fn on the CPU).
-        expected = "inf" if self.kind == "ieee" else "saturate"
-        return dtype if self.overflow == expected else None
+        dtype = _TORCH_DTYPES.get((self.exp_bits, self.man_bits, self.kind))
+        # torch's casts send overflow to inf (ieee) or saturate (float8_e4m3fn on the CPU)
+        return dtype if self.overflow == ("inf" if self.kind == "ieee" else "saturate") else None
 
     @property
     def ml_dtypes_name(self) -> Optional[str]:
@@ -178,12 +149,7 @@ class FloatFormat:
         return _ML_DTYPES_NAMES.get((self.exp_bits, self.man_bits, self.kind))
 
     def with_overflow(self, overflow: str) -> "FloatFormat":
-        """The same grid with another overflow policy.
-
-        Example:
-            >>> get_format("e4m3").with_overflow("nan").overflow
-            'nan'
-        """
+        """The same grid with another overflow policy."""
         check_overflow_policy(self, overflow)
         return FloatFormat(self.exp_bits, self.man_bits, self.kind, self.name, overflow)
 
@@ -191,36 +157,15 @@ class FloatFormat:
         return self.name
 
 
-_TORCH_DTYPES = {
-    (8, 23, "ieee"): torch.float32,
-    (8, 7, "ieee"): torch.bfloat16,
-    (5, 10, "ieee"): torch.float16,
-    (4, 3, "fn"): torch.float8_e4m3fn,
-    (5, 2, "ieee"): torch.float8_e5m2,
-}
-
-_ML_DTYPES_NAMES = {
-    (8, 7, "ieee"): "bfloat16",
-    (4, 3, "fn"): "float8_e4m3fn",
-    (5, 2, "ieee"): "float8_e5m2",
-    (4, 3, "ieee"): "float8_e4m3",
-    (3, 4, "ieee"): "float8_e3m4",
-    (3, 2, "finite"): "float6_e3m2fn",
-    (2, 3, "finite"): "float6_e2m3fn",
-    (2, 1, "finite"): "float4_e2m1fn",
-}
-
-_NAMED = {
-    "fp32": FloatFormat(8, 23, "ieee", "fp32"),
-    "tf32": FloatFormat(8, 10, "ieee", "tf32"),
-    "bf16": FloatFormat(8, 7, "ieee", "bf16"),
-    "fp16": FloatFormat(5, 10, "ieee", "fp16"),
-    "e4m3": FloatFormat(4, 3, "fn", "e4m3"),
-    "e5m2": FloatFormat(5, 2, "ieee", "e5m2"),
-    "e3m2": FloatFormat(3, 2, "finite", "e3m2"),
-    "e2m3": FloatFormat(2, 3, "finite", "e2m3"),
-    "e2m1": FloatFormat(2, 1, "finite", "e2m1"),
-}
+_TORCH_DTYPES = {(8, 23, "ieee"): torch.float32, (8, 7, "ieee"): torch.bfloat16, (5, 10, "ieee"): torch.float16,
+                 (4, 3, "fn"): torch.float8_e4m3fn, (5, 2, "ieee"): torch.float8_e5m2}
+_ML_DTYPES_NAMES = {(8, 7, "ieee"): "bfloat16", (4, 3, "fn"): "float8_e4m3fn", (5, 2, "ieee"): "float8_e5m2",
+                    (4, 3, "ieee"): "float8_e4m3", (3, 4, "ieee"): "float8_e3m4", (3, 2, "finite"): "float6_e3m2fn",
+                    (2, 3, "finite"): "float6_e2m3fn", (2, 1, "finite"): "float4_e2m1fn"}
+_NAMED = {f.name: f for f in (
+    FloatFormat(8, 23, "ieee", "fp32"), FloatFormat(8, 10, "ieee", "tf32"), FloatFormat(8, 7, "ieee", "bf16"),
+    FloatFormat(5, 10, "ieee", "fp16"), FloatFormat(4, 3, "fn", "e4m3"), FloatFormat(5, 2, "ieee", "e5m2"),
+    FloatFormat(3, 2, "finite", "e3m2"), FloatFormat(2, 3, "finite", "e2m3"), FloatFormat(2, 1, "finite", "e2m1"))}
 _ALIASES = {
     "float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16",
     "fp8_e4m3": "e4m3", "e4m3fn": "e4m3", "float8_e4m3fn": "e4m3",
@@ -234,9 +179,8 @@ _GENERIC = re.compile(r"^e(\d+)m(\d+)$")
 def get_format(name: Union[str, FloatFormat]) -> FloatFormat:
     """Look up a format by name.
 
-    Named formats: fp32, tf32, bf16, fp16, e4m3 (OCP E4M3 "fn": no inf, max 448), e5m2,
-    e3m2, e2m3, e2m1 (OCP MX: no inf, no NaN). Any other ``"e{E}m{m}"`` (E in 2..8, m in 0..23)
-    is an IEEE-like format with inf and NaN at the top exponent.
+    Named formats: fp32, tf32, bf16, fp16, e4m3 (OCP E4M3 "fn": no inf, max 448), e5m2, e3m2, e2m3, e2m1 (OCP MX: no
+    inf, no NaN). Any other ``"e{E}m{m}"`` (E in 2..8, m in 0..23) is IEEE-like: inf and NaN at the top exponent.
 
     Example:
         >>> get_format("e5m3").max
@@ -265,10 +209,7 @@ def get_format(name: Union[str, FloatFormat]) -> FloatFormat:
 
 
 # torch dtypes that store a low-precision format, and the package's name of that format
-DTYPE_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16"}
-for _name, _fmt in (("float8_e4m3fn", "e4m3"), ("float8_e5m2", "e5m2")):
-    if hasattr(torch, _name):
-        DTYPE_FORMATS[getattr(torch, _name)] = _fmt
+DTYPE_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
 
 
 def format_of_dtype(dtype: torch.dtype) -> Optional[str]:
@@ -288,11 +229,8 @@ def format_table(names=("fp32", "tf32", "bf16", "fp16", "e4m3", "e5m2", "e3m2", 
     for name in names:
         fmt = get_format(name)
         lo, hi = fmt.freeze_threshold_range
-        rows.append({
-            "name": fmt.name, "bits": fmt.bits, "E": fmt.exp_bits, "m": fmt.man_bits,
-            "bias": fmt.bias, "max": fmt.max, "smallest_normal": fmt.smallest_normal,
-            "smallest_subnormal": fmt.smallest_subnormal, "eps": fmt.eps,
-            "inf": fmt.has_inf, "nan": fmt.has_nan, "overflow": fmt.overflow,
-            "freeze_rel_min": lo, "freeze_rel_max": hi,
-        })
+        rows.append({"name": fmt.name, "bits": fmt.bits, "E": fmt.exp_bits, "m": fmt.man_bits, "bias": fmt.bias,
+                     "max": fmt.max, "smallest_normal": fmt.smallest_normal,
+                     "smallest_subnormal": fmt.smallest_subnormal, "eps": fmt.eps, "inf": fmt.has_inf,
+                     "nan": fmt.has_nan, "overflow": fmt.overflow, "freeze_rel_min": lo, "freeze_rel_max": hi})
     return rows

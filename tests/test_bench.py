@@ -25,6 +25,7 @@ BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file
 sys.path.insert(0, BENCHMARKS)
 import bench, bench_report, machine, timing  # noqa: E402  (the benchmark's modules, in benchmarks/)
 from lowprec_demo.rounding import bits as bit_kernels, rule as freeze_rule, kernels
+from lowprec_demo.rounding.rule import LAYOUTS, RoundParams, round_params, seed_words
 from lowprec_demo.optim import packing
 from lowprec_demo.formats import get_format
 from lowprec_demo.optim.optimizer import LowPrecisionOptimizer
@@ -89,10 +90,10 @@ ROUND_FORMATS = {**TR.EXHAUSTIVE, **TR.WIDE}
 def test_compiled_nearest_is_the_eager_code_on_the_exhaustive_points(compiled, key, policy):
     fmt = TR.EXHAUSTIVE[key]
     x = torch.from_numpy(TR.exhaustive_points(key).astype(np.float32))
-    p = torch.tensor(bit_kernels.nearest_params(fmt, policy), dtype=torch.int32)
+    p = round_params(fmt, policy).tensor()
     eager = TR.generic_nearest(x, fmt, policy)
     assert same_bits(compiled["nearest"](x.view(torch.int32), p).view(torch.float32), eager)
-    assert same_bits(bit_kernels.rne_fp32(x, p), eager)   # the kernel function run eagerly
+    assert same_bits(bit_kernels.round_nearest(x, p), eager)   # the kernel function run eagerly
     y = x.clone()
     compiled["nearest_"](y.view(torch.int32), p)
     assert same_bits(y, eager)
@@ -103,7 +104,7 @@ def test_compiled_nearest_on_random_inputs(compiled, key):
     fmt = ROUND_FORMATS[key]
     x = sample_fp32(fmt, sum(map(ord, key)))
     for policy in TR.policies(fmt):
-        p = torch.tensor(bit_kernels.nearest_params(fmt, policy), dtype=torch.int32)
+        p = round_params(fmt, policy).tensor()
         got = compiled["nearest"](x.view(torch.int32), p).view(torch.float32)
         assert same_bits(got, TR.generic_nearest(x, fmt, policy)), policy
 
@@ -111,7 +112,7 @@ def test_compiled_nearest_on_random_inputs(compiled, key):
 @pytest.mark.parametrize("key", list(ROUND_FORMATS))
 def test_the_freeze_kernels_rounding_is_the_nearest_kernels(key):
     """The freeze kernel rounds ``old`` with its own shorter formula: its magnitudes are those of
-    rne_fp32 on the exhaustive points (where there are some) and random inputs, every policy."""
+    round_nearest on the exhaustive points (where there are some) and random inputs, every policy."""
     fmt = ROUND_FORMATS[key]
     xs = [sample_fp32(fmt, sum(map(ord, key)) + 1)]
     if key in TR.EXHAUSTIVE:
@@ -120,9 +121,9 @@ def test_the_freeze_kernels_rounding_is_the_nearest_kernels(key):
         x = x[~x.isnan()]
         u = torch.clamp(x.view(torch.int32) & 0x7FFFFFFF, max=0x7F800000)
         for policy in TR.policies(fmt):
-            p = torch.tensor(bit_kernels.nearest_params(fmt, policy), dtype=torch.int32)
-            want = bit_kernels.rne_fp32(x, p).view(torch.int32) & 0x7FFFFFFF
-            assert torch.equal(bit_kernels.rne_magnitude(u, p[0], p[1], p[2], p[3]), want), policy
+            p = round_params(fmt, policy).tensor()
+            want = bit_kernels.round_nearest(x, p).view(torch.int32) & 0x7FFFFFFF
+            assert torch.equal(bit_kernels.rne_magnitude(u, RoundParams.read(p)), want), policy
 
 
 def test_quantize_takes_the_compiled_path_in_every_mode_alike():
@@ -147,23 +148,24 @@ SR_KEYS = list(TR.SR_FORMATS) + ["fp32", "e5m23", "e7m20", "e8m0", "e2m0"]
 
 
 def sr_by_integer_position(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """The same stochastic rounding as sr_fp32 by another route: the position in the gap
+    """The same stochastic rounding as round_stochastic by another route: the position in the gap
     rounded to k bits by integer arithmetic and compared with the top bits of the hash as
-    non-negative int32 numbers (as sr_fp32 did before it compared unsigned 32-bit numbers)."""
-    man_bits, emin_b, k, max_bits, over_bits, tiny_bits, s1, s2, first = (p[i] for i in range(9))
+    non-negative int32 numbers (where the kernel compares unsigned 32-bit numbers)."""
+    q = RoundParams.read(p)
+    k, max_bits, over_bits, tiny_bits = q.rand_bits, q.max_bits, q.overflow_bits, q.tiny_bits
     bits = x.view(torch.int32)
     sign, u = bits & -(1 << 31), bits & 0x7FFFFFFF
     nan = u > 0x7F800000
     u = torch.where(nan, 0, u)
-    top, s, d = bit_kernels._decompose(u, man_bits, emin_b)
+    top, s, d = bit_kernels._decompose(u, q)
     frac = s & ((1 << torch.clamp(d, max=25)) - 1)
     sh = torch.clamp(d - k, min=0, max=26)
     half = (1 << sh) >> 1
     odd = (frac >> sh) & torch.clamp(half, max=1)
     position = torch.where(d > k, (frac + (half - 1 + odd).clamp(min=0)) >> sh, frac)
     j = torch.clamp(d, max=k)
-    index = torch.arange(x.numel(), dtype=torch.int32) + first
-    r = bit_kernels.hash32(index, s1, s2)
+    index = torch.arange(x.numel(), dtype=torch.int32) + q.index_offset
+    r = bit_kernels.hash32(index, q.seed_lo, q.seed_hi)
     top_j = (r >> torch.clamp(32 - j, min=0, max=31)) & (0x7FFFFFFF >> torch.clamp(31 - j, min=0, max=31))
     move = (top_j < position) & ((j < 32) | (r >= 0))
     q = (s - frac) + (move.to(torch.int32) << torch.clamp(d, max=24))
@@ -178,16 +180,42 @@ def test_compiled_sr_is_the_eager_function(compiled, key):
     x = sample_fp32(fmt, sum(map(ord, key)), n=10_000)
     for policy in TR.policies(fmt):
         for k in (None, 1, 3, 8, 23, 24, 31, 32):
-            p = torch.tensor(bit_kernels.stochastic_params(fmt, policy, k, 1234567891234), dtype=torch.int32)
-            eager = bit_kernels.sr_fp32(x, p)
+            p = round_params(fmt, policy, k, 1234567891234).tensor()
+            eager = bit_kernels.round_stochastic(x, p)
             assert same_bits(eager, sr_by_integer_position(x, p)), (policy, k)
             assert same_bits(compiled["stochastic"](x.view(torch.int32), p).view(torch.float32), eager), (policy, k)
             y = x.clone()
             compiled["stochastic_"](y.view(torch.int32), p)
             assert same_bits(y, eager), (policy, k)
         # every result is on the grid (continued above max, then the policy)
-        y = bit_kernels.sr_fp32(x, p)
+        y = bit_kernels.round_stochastic(x, p)
         assert same_bits(quantize(y, fmt, overflow=policy), y)
+
+
+@pytest.mark.parametrize("key", ["bf16", "e4m3", "e5m2", "e3m2", "e8m0", "e8m7-finite"])
+def test_compiled_float64_kernels_are_the_eager_functions(compiled, key):
+    """The same kernels on float64 bit patterns (int64 lanes): compiled as run eagerly."""
+    fmt = {**ROUND_FORMATS, **TR.FP64_ONLY}[key]
+    seed = sum(map(ord, key))
+    x = torch.from_numpy(np.concatenate([TR.random_fp64(5000, seed), TR.focused(fmt, 5000, seed + 1, np.float64)]))
+    layout = LAYOUTS[torch.float64]
+    bits = x.view(torch.int64)
+    for policy in TR.policies(fmt):
+        p = round_params(fmt, policy, layout=layout).tensor(layout=layout)
+        eager = bit_kernels.round_nearest(x, p)
+        assert same_bits64(compiled["nearest"](bits, p).view(torch.float64), eager), policy
+        for k in (None, 1, 3, 8, 32):
+            p = round_params(fmt, policy, k, 1234567891234, 5, layout).tensor(layout=layout)
+            eager = bit_kernels.round_stochastic(x, p)
+            assert same_bits64(compiled["stochastic"](bits, p).view(torch.float64), eager), (policy, k)
+            y = x.clone()
+            compiled["stochastic_"](y.view(torch.int64), p)
+            assert same_bits64(y, eager), (policy, k)
+
+
+def same_bits64(a: torch.Tensor, b: torch.Tensor) -> bool:
+    nan = a.isnan()
+    return torch.equal(nan, b.isnan()) and torch.equal(a[~nan].view(torch.int64), b[~nan].view(torch.int64))
 
 
 def test_eager_slices_give_the_same_bits(monkeypatch):
@@ -196,8 +224,8 @@ def test_eager_slices_give_the_same_bits(monkeypatch):
     x = sample_fp32(get_format("e4m3"), 21, n=5000)
     new = x * (1 + 2.0**-5)
     fmt = get_format("e4m3")
-    p = torch.tensor(bit_kernels.stochastic_params(fmt, "saturate", None, 77), dtype=torch.int32)
-    whole = bit_kernels.sr_fp32(x, p)
+    p = round_params(fmt, "saturate", None, 77).tensor()
+    whole = bit_kernels.round_stochastic(x, p)
     fp = torch.tensor(freeze_rule.rule_params(fmt, 2, RATIO_BINS), dtype=torch.int32)
     code = torch.empty(len(x), dtype=torch.uint8)
     moved = bit_kernels.freeze_code_fp32(x, new, fp, code)
@@ -210,7 +238,7 @@ def test_eager_slices_give_the_same_bits(monkeypatch):
     try:
         assert same_bits(kernels.stochastic(x, fmt, "saturate", None, 77), whole)
         y = x.clone()
-        kernels.stochastic_(y, fmt, "saturate", None, 77)
+        kernels.stochastic(y, fmt, "saturate", None, 77, inplace=True)
         assert same_bits(y, whole)
         code2 = torch.empty_like(code)
         moved2 = kernels.freeze_code(x, new, fmt, RATIO_BINS, code2, rand_bits=2)
@@ -229,8 +257,7 @@ def test_sr_random_bits_are_the_public_hash():
     hash are below the position in the gap (checked at 32 bits, where d <= k)."""
     n = 50_000
     seed = (0xDEADBEEF << 32) | 0x12345678
-    s1, s2 = bit_kernels.stochastic_params(get_format("bf16"), "inf", None, seed)[6:8]
-    h = bit_kernels.hash32(torch.arange(n, dtype=torch.int32), s1, s2)
+    h = bit_kernels.hash32(torch.arange(n, dtype=torch.int32), *seed_words(seed))
     assert torch.equal(h.to(torch.int64) & 0xFFFFFFFF, random_bits((n,), seed))
     # 1 + f * 2**-7 for f = i/2**16: moves up exactly when the top 16 bits of the hash < f * 2**16 / ...
     frac = torch.randint(0, 1 << 16, (n,))
@@ -695,7 +722,7 @@ def test_cpu_identity_reads_the_first_processor(tmp_path, monkeypatch):
 def test_the_split_times_the_kernels_own_hash():
     """The benchmark's "hash alone" is the stochastic-rounding kernel's random bits."""
     seed = 0x1234_5678_9ABC
-    p = torch.tensor(bit_kernels.stochastic_params(get_format("bf16"), "inf", None, seed), dtype=torch.int32)
+    p = round_params(get_format("bf16"), "inf", None, seed).tensor()
     bits = bench._hash_only(torch.zeros(3000, dtype=torch.int32), p).to(torch.int64) & 0xFFFFFFFF
     assert torch.equal(bits, random_bits((3000,), seed))
 
@@ -852,7 +879,7 @@ def test_cuda_compiled_kernels_match_the_cpu(key):
         for policy in TR.policies(fmt):
             assert same_bits(kernels.nearest(x.cuda(), fmt, policy).cpu(), TR.generic_nearest(x, fmt, policy))
             for k in (None, 3):
-                cpu = bit_kernels.sr_fp32(x, torch.tensor(bit_kernels.stochastic_params(fmt, policy, k, 99), dtype=torch.int32))
+                cpu = bit_kernels.round_stochastic(x, round_params(fmt, policy, k, 99).tensor())
                 assert same_bits(kernels.stochastic(x.cuda(), fmt, policy, k, 99).cpu(), cpu)
         old, new = x[:20_000].nan_to_num(0.0, 0.0, 0.0), x[:20_000] * (1 + 2.0**-9)
         code = torch.empty(len(old), dtype=torch.uint8, device="cuda")

@@ -199,6 +199,30 @@ def test_attach_plan_through_the_hooks_is_the_wrapper():
     assert any(not torch.equal(a, b) for a, b in zip(before, hooked.parameters()))
 
 
+
+def test_attach_plan_returns_an_optimizer_whose_class_detaches_it():
+    """What attach_plan returns is a LowPrecisionOptimizer whose own class has detach_plan (no
+    function set on the object); detaching twice is harmless, and a new attach works again."""
+    from lowprec_demo.monitor.integrations import AttachedPlan
+    torch.manual_seed(2)
+    model = _Three()
+    plan = _plan_for(model, {"a.weight": "master", "b.weight": "stochastic"})
+    inner = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    handle = attach_plan(inner, plan, model=model, generator=5)
+    assert isinstance(handle, AttachedPlan) and isinstance(handle, LowPrecisionOptimizer)
+    assert not any(callable(v) for v in vars(handle).values())     # methods only on the class
+    assert handle.optimizer is inner and handle.param_groups is inner.param_groups
+    _steps(model, inner, 2)
+    assert all(torch.equal(p, lp.quantize(p, "bf16")) for n, p in model.named_parameters() if n in plan.remedies)
+    handle.detach_plan()
+    handle.detach_plan()
+    with pytest.raises(TypeError, match="plain optimizer"):
+        attach_plan(handle, plan, model=model)
+    again = attach_plan(inner, plan, model=model, generator=5)
+    _steps(model, inner, 1)
+    assert all(torch.equal(p, lp.quantize(p, "bf16")) for p in model.parameters())
+    again.detach_plan()
+
 def _watched_plan(budget, steps=60, lr=1e-3):
     """A model with a gain that cannot move (Adam steps of about lr = 1e-3, below half the bf16
     gap on either side of 1.0, 2^-9), weights freezing as a cosine anneals, and a bias that keeps moving (a big learning

@@ -257,7 +257,7 @@ def test_a_piece_with_its_offset_draws_the_whole_tensors_bits(dtype, rand_bits):
     unshifted = x[120:].clone()
     quantize_(unshifted, "bf16", "stochastic", generator=9, rand_bits=rand_bits)
     assert not torch.equal(unshifted, whole[120:])             # without the offset: other bits
-    assert torch.equal(random_bits((5,), 3, first=7), random_bits((12,), 3)[7:])
+    assert torch.equal(random_bits((5,), 3, index_offset=7), random_bits((12,), 3)[7:])
 
 
 def test_a_bad_index_offset_is_refused():

@@ -340,3 +340,88 @@ def test_step_hooks_run_around_the_whole_step():
     w.grad = torch.full((3,), 0.05)        # 1 - 0.005 rounds to 1 - 2**-8
     opt.step()
     assert len(seen) == 3 and w.tolist() == [1 - 2**-8] * 3
+
+
+EVERY_REMEDY = {
+    "nearest": {}, "stochastic": {"rounding": "stochastic"}, "sr4": {"rounding": "stochastic", "rand_bits": 4},
+    "kahan": {"compensation": "kahan"}, "kahan_bf16": {"compensation": "kahan", "compensation_format": "bf16"},
+    "master": {"master_weights": True}, "state_bf16": {"state_format": "bf16"},
+    "stochastic_state": {"rounding": "stochastic", "state_format": "bf16", "state_rounding": "stochastic"},
+    "plan": {"plan": {"0.weight": "master", "0.bias": "kahan", "2.weight": "stochastic", "2.bias": "nearest"}},
+}
+
+
+def _tensors(state):
+    """Every tensor of a state dict (nested), by its path."""
+    if torch.is_tensor(state):
+        return {"": state}
+    items = state.items() if isinstance(state, dict) else enumerate(state) if isinstance(state, (list, tuple)) else ()
+    return {f"{k}/{path}": t for k, v in items for path, t in _tensors(v).items()}
+
+
+@pytest.mark.parametrize("remedy", list(EVERY_REMEDY))
+def test_a_wrapper_loaded_from_its_state_dict_continues_with_the_same_bits(remedy):
+    """Everything the wrapper keeps from step to step is in its state dict: a new model and
+    wrapper loaded from a checkpoint take the same steps as the run that went on."""
+    def make():
+        model = small_model()
+        options = dict(EVERY_REMEDY[remedy])
+        if "plan" in options:
+            names = [n for n, _ in model.named_parameters()]
+            options["plan"] = lp.FreezePlan("bf16", options["plan"], positions={n: names.index(n) for n in names})
+        return model, LowPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), "bf16", generator=3,
+                                            **options)
+
+    model, opt = make()
+    for s in range(3):
+        step_once(model, opt, s)
+    saved_model, saved_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    for s in range(3, 6):
+        step_once(model, opt, s)
+    model2, opt2 = make()
+    step_once(model2, opt2, 9)          # a different history, overwritten by the checkpoint
+    model2.load_state_dict(saved_model)
+    opt2.load_state_dict(saved_opt)
+    for s in range(3, 6):
+        step_once(model2, opt2, s)
+    for p, q in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(p.view(torch.int32), q.view(torch.int32))
+    went_on, resumed = _tensors(opt.state_dict()), _tensors(opt2.state_dict())
+    assert went_on.keys() == resumed.keys()
+    assert all(torch.equal(went_on[k], resumed[k]) for k in went_on), remedy
+
+
+def test_the_wrapper_is_a_torch_optimizer_sharing_the_inner_ones_groups_and_state():
+    model = small_model()
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = LowPrecisionOptimizer(inner, "bf16")
+    assert opt.param_groups is inner.param_groups and opt.state is inner.state and opt.defaults is inner.defaults
+    step_once(model, opt)
+    torch.optim.Optimizer.zero_grad(opt)         # torch's own zero_grad, on the shared groups
+    assert all(p.grad is None for p in model.parameters())
+    seen = []
+    opt.register_state_dict_pre_hook(lambda o: seen.append("pre"))
+    opt.register_state_dict_post_hook(lambda o, sd: {**sd, "extra": 1})
+    opt.register_load_state_dict_pre_hook(lambda o, sd: seen.append(("load", "lowprec" in sd)))
+    opt.register_load_state_dict_post_hook(lambda o: seen.append("loaded"))
+    state = opt.state_dict()
+    assert seen == ["pre"] and state["extra"] == 1 and "lowprec" in state
+    opt.load_state_dict(state)
+    assert seen == ["pre", ("load", True), "loaded"]
+    assert opt.state is inner.state and opt.param_groups is inner.param_groups   # shared again after loading
+
+
+def test_tensors_move_between_the_packs_of_one_wrapper():
+    # the first rounding packs every small tensor together; the steps round each remedy's tensors
+    # in a pack of their own, and the tensors move there from the first pack's buffer
+    model = small_model()
+    plan = {"0.weight": "stochastic", "0.bias": "stochastic", "2.weight": "nearest", "2.bias": "nearest"}
+    names = [n for n, _ in model.named_parameters()]
+    opt = LowPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), "bf16", generator=1,
+                                plan=lp.FreezePlan("bf16", plan, positions={n: names.index(n) for n in names}))
+    params = dict(model.named_parameters())
+    assert len(_storages(params.values())) == 1
+    step_once(model, opt)
+    sr, rne = [params["0.weight"], params["0.bias"]], [params["2.weight"], params["2.bias"]]
+    assert len(_storages(sr)) == 1 and len(_storages(rne)) == 1 and _storages(sr) != _storages(rne)
+    assert opt.held_bytes() == 0           # the buffers are the tensors' own

@@ -11,8 +11,9 @@ Three oracles:
   input into -0.0, while the package keeps NaN, so NaN inputs are left out of those comparisons).
 
 ``quantize`` takes a native shortcut (``x.to(dtype)``) for fp32 input to bf16 / fp16 / E4M3 / E5M2,
-so the package's own generic code is also called directly (``_nearest_magnitude`` +
-``_apply_overflow`` + ``copysign``, as in ``quantize``) and checked against all three oracles.
+so the package's own code is also called directly (the round-to-nearest kernel
+``rounding.bits.rne_bits`` run eagerly, as ``quantize`` runs it where there is no native cast)
+and checked against all three oracles.
 Results are compared bit for bit in the output dtype, any NaN matching any NaN.
 
 Statistical checks of stochastic rounding use fixed seeds and a 5-sigma binomial tolerance.
@@ -32,8 +33,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import exact_reference as ref
 
-from lowprec_demo.rounding import core as R
+from lowprec_demo.rounding import bits as bit_kernels, core as R
 from lowprec_demo.formats import FloatFormat, get_format
+from lowprec_demo.rounding.rule import LAYOUTS as BIT_LAYOUTS, round_params
 from lowprec_demo.rounding.core import move_probability, quantize, random_bits, ulp, update_ulp_ratio, would_freeze
 
 SIGMAS = 5.0
@@ -130,11 +132,10 @@ EXHAUSTIVE_CASES = [(k, p) for k, f in EXHAUSTIVE.items() for p in policies(f)]
 # helpers
 # ------------------------------------------------------------------------------------------------
 def generic_nearest(x, fmt, policy=None):
-    """The package's generic round-to-nearest, as quantize runs it when there is no native cast."""
-    fmt = get_format(fmt)
-    policy = fmt.overflow if policy is None else policy
-    r = R._nearest_magnitude(x.abs(), fmt)
-    return R._apply_overflow(r, fmt, policy).copysign_(x)
+    """The package's own round-to-nearest (the kernel function run eagerly), as quantize runs it
+    when there is no native cast."""
+    layout = BIT_LAYOUTS[x.dtype]
+    return bit_kernels.round_nearest(x, round_params(get_format(fmt), policy, layout=layout).tensor(x.device, layout))
 
 
 def torch_cast(x32, fmt):
@@ -907,7 +908,7 @@ def test_sr_on_grid_is_exact():
 
 # --- few-bit SR ----------------------------------------------------------------------------------
 FEW_BIT_PATHS = {
-    # fp32 input and an E = 8 format: the bit-pattern path; otherwise the error-free path
+    # the one stochastic-rounding kernel on float32 and float64 bit patterns
     "fp32-bits-bf16": ("bf16", torch.float32),
     "fp64-bf16": ("bf16", torch.float64),
     "fp32-e4m3": ("e4m3", torch.float32),
@@ -1019,6 +1020,44 @@ def test_sr_reproducible(name, dtype):
     assert not x2.is_contiguous()
     assert torch.equal(quantize(x2, name, "stochastic", generator=11),
                        quantize(x2.contiguous(), name, "stochastic", generator=11))
+
+
+@pytest.mark.parametrize("key", ["bf16", "e4m3", "e5m2", "e2m1", "e8m0", "e2m0", "tf32"])
+def test_sr_of_float64_draws_the_float32_stream(key):
+    """One stochastic-rounding kernel for both dtypes, one convention for the random bits: a
+    float64 tensor holding float32 numbers rounds exactly as the float32 tensor does (the same
+    seed, index offset, random bits and overflow policy give the same bits)."""
+    fmt = ALL_FORMATS[key]
+    x = torch.from_numpy(np.concatenate([random_fp32(2000, 1), focused(fmt, 2000, 2, np.float32)]).astype(np.float32))
+    for policy in policies(fmt):
+        for k in (None, 1, 3, 8, 31):
+            a = quantize(x, fmt, "stochastic", generator=5, rand_bits=k, overflow=policy, index_offset=77)
+            b = quantize(x.double(), fmt, "stochastic", generator=5, rand_bits=k, overflow=policy, index_offset=77)
+            assert_bits(b, a.double().numpy(), x.numpy(), f"{key} {policy} k={k}")
+
+
+def test_sr_index_offset_counts_modulo_2_32():
+    """Element i of a call with ``index_offset`` draws the hash of ``index_offset + i`` modulo
+    2**32, across 2**31 too, whole or in pieces, eagerly in slices or not."""
+    from lowprec_demo.rounding import kernels
+    x = torch.rand(3000, dtype=torch.float64) * 4
+    for dtype in (torch.float32, torch.float64):
+        t = x.to(dtype)
+        whole = quantize(t, "bf16", "stochastic", generator=3, index_offset=2**31 - 1000)
+        assert torch.equal(quantize(t[1000:], "bf16", "stochastic", generator=3, index_offset=2**31), whole[1000:])
+        assert torch.equal(quantize(t, "bf16", "stochastic", generator=3, index_offset=2**32 + 2**31 - 1000), whole)
+        chunk, kernels.EAGER_CHUNK = kernels.EAGER_CHUNK, 999
+        previous = kernels.set_mode("off")
+        try:
+            assert torch.equal(quantize(t, "bf16", "stochastic", generator=3, index_offset=2**31 - 1000), whole)
+        finally:
+            kernels.EAGER_CHUNK = chunk
+            kernels.set_mode(previous)
+    # moves exactly where the public hash says (1 + f * 2**-7 moves up when the top 16 bits are below f)
+    frac = torch.randint(0, 1 << 16, (3000,), generator=torch.Generator().manual_seed(0))
+    y = quantize(1.0 + frac.double() * 2.0**-23, "bf16", "stochastic", generator=9, index_offset=2**32 - 1500)
+    r = torch.cat([random_bits((1500,), 9, index_offset=2**32 - 1500), random_bits((1500,), 9)])
+    assert torch.equal(y > 1.0, (r >> 16) < frac)
 
 
 def test_random_bits_are_a_pure_function():

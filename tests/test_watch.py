@@ -11,7 +11,10 @@ import torch
 
 import lowprec_demo as lp
 from lowprec_demo.cli import main
-from lowprec_demo.monitor.freeze_watch import DIAGNOSIS_KINDS, FreezeWatch, format_of_dtype, load_watch
+from lowprec_demo.formats import format_of_dtype
+from lowprec_demo.monitor.diagnoses import DIAGNOSIS_KINDS
+from lowprec_demo.monitor.freeze_watch import FreezeWatch
+from lowprec_demo.monitor.report import load_watch
 
 
 def tiny_model(seed=0):

@@ -51,7 +51,7 @@ def check_bits(device: str, mode: str = "on", n_random: int = 50_000, stride: in
 
     from lowprec_demo.rounding import bits as bit_kernels, kernels
     from lowprec_demo.formats import get_format
-    from lowprec_demo.rounding.rule import rule_params
+    from lowprec_demo.rounding.rule import round_params, rule_params
     from lowprec_demo.freeze.prediction import RATIO_BINS
     from lowprec_demo.rounding.core import quantize
 
@@ -99,9 +99,9 @@ def check_bits(device: str, mode: str = "on", n_random: int = 50_000, stride: in
                 row[f"nearest_{policy}"] = differ(kernels.nearest(pts.to(device), fmt, policy),
                                                   exact_nearest(pts, fmt, policy))
                 for k in (None, 3):
-                    p = torch.tensor(bit_kernels.stochastic_params(fmt, policy, k, 2024), dtype=torch.int32)
+                    p = round_params(fmt, policy, k, 2024).tensor()
                     row[f"stochastic_{policy}_k{k}"] = differ(kernels.stochastic(rnd.to(device), fmt, policy, k, 2024),
-                                                              bit_kernels.sr_fp32(rnd, p))
+                                                              bit_kernels.round_stochastic(rnd, p))
             old = rnd.nan_to_num(0.0, 0.0, 0.0)
             new = (old * (1 + 2.0**-9) + 1e-7).nan_to_num(0.0, 0.0, 0.0)
             code = torch.empty(old.numel(), dtype=torch.uint8, device=device)

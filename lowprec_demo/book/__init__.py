@@ -1,14 +1,6 @@
-"""The book's machinery, on top of the library: a run's settings (``config``), the training loop
-that runs the variants side by side (``training``), what a run produced (``results``), the named
-experiments of the chapters (``experiments``) with their ``data`` and ``models``, the remedies
-side by side (``remedies``), torch's own low-precision steps op by op (``fidelity``), the
-figures (``plots``), the widgets, the small demonstrations of chapters 1-2 (``demos``), numbers
-for the prose (``glue``), torchrun (``distributed``) and a chapter's first cell (``runtime``).
-The library's layers never import this package.
-
-Example:
-    >>> config = make_config("regression", scale="quick")
-"""
+"""The book's machinery on top of the library: a run's settings (``config``), the training loop (``training``), results,
+the named ``experiments`` with their ``data`` and ``models``, ``remedies``, ``fidelity`` (torch's own low-precision
+steps), ``plots``, ``widgets``, ``demos``, ``glue``, ``distributed`` and a chapter's first cell (``runtime``)."""
 
 from lowprec_demo.book.config import TrainConfig, lr_factor
 from lowprec_demo.book.experiments import experiment_names, make_config, run_experiment, run_formats, sweep

@@ -1,5 +1,4 @@
-"""What defines a training run: :class:`TrainConfig` (optimizer, schedule, formats, variants,
-threshold, the experiment's own options) and the learning-rate schedules of :func:`lr_factor`.
+"""What defines a training run (:class:`TrainConfig`) and the learning-rate schedules (:func:`lr_factor`).
 
 Example:
     >>> cfg = TrainConfig(steps=100, schedule="wsd", decay_fraction=0.2, min_lr_ratio=0.0)
@@ -22,27 +21,16 @@ VARIANTS = ("reference", "nearest", "stochastic", "kahan", "kahan_lp", "master",
             "plan")
 OPTIMIZERS = ("sgd", "adamw", "adam")
 SCHEDULES = ("constant", "cosine", "wsd", "step")
-PARALLEL = ("ddp", "fsdp")     # under torchrun: replicas (DistributedDataParallel) or shards (FSDP2's fully_shard)
+PARALLEL = ("ddp", "fsdp")     # under torchrun: replicas (DDP) or shards (FSDP2's fully_shard)
 
 
 @dataclass
 class TrainConfig:
-    """Everything that defines a training run, shared by all variants.
-
-    ``lowprec_params`` chooses which parameters live in low precision (``"all"`` or
-    ``"matrices"``); ``predict_formats`` lists extra formats the reference run predicts besides
-    ``format``; ``threshold`` is the frozen fraction that defines the freeze step. The schedule
-    (:data:`SCHEDULES`, see :func:`lr_factor`) uses ``warmup_steps`` and ``min_lr_ratio``;
-    ``"wsd"`` also ``decay_fraction``, ``"step"`` ``step_milestones`` and ``step_gamma``. ``options``
-    holds experiment-specific settings (model sizes and the like). ``sr_seed`` seeds stochastic
-    rounding's random bits (None: ``seed + 1``), so that SR can be drawn again on the same problem
-    and initialisation. ``parallel`` says how several processes under ``torchrun`` share the
-    model: ``"ddp"`` (a replica each) or ``"fsdp"`` (FSDP2, each process a shard of every
-    parameter); one process ignores it. The ``"plan"`` variant stores each tensor with the remedy
-    of a :class:`~lowprec_demo.freeze_plan.FreezePlan` made by a freeze watch on the reference run
-    after ``plan_after`` of its steps (a fraction of the run), within ``plan_budget`` extra bytes
-    per parameter.
-    """
+    """Everything that defines a training run, shared by its variants. ``lowprec_params``: ``"all"`` or ``"matrices"``;
+    ``predict_formats``: formats predicted besides ``format``; ``threshold``: the frozen fraction of the freeze step;
+    ``options``: the experiment's own; ``sr_seed``: stochastic rounding's seed (None: ``seed + 1``); ``parallel``:
+    ``"ddp"`` or ``"fsdp"`` under torchrun. The ``"plan"`` variant follows a :class:`~lowprec_demo.optim.FreezePlan`
+    made after ``plan_after`` of the run within ``plan_budget`` extra bytes per parameter."""
 
     format: str = "bf16"
     steps: int = 200
@@ -124,27 +112,17 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
-        d["betas"] = list(self.betas)
-        d["predict_formats"] = list(self.predict_formats)
-        d["step_milestones"] = list(self.step_milestones)
-        d["variants"] = list(self.variants)
+        for key in ("betas", "predict_formats", "step_milestones", "variants"):
+            d[key] = list(d[key])
         return d
 
 
 def lr_factor(step: int, config: TrainConfig) -> float:
-    """Learning-rate multiplier at ``step``: linear warmup over ``warmup_steps``, then
-
-    * ``"constant"``: 1;
-    * ``"cosine"``: cosine decay from 1 to ``min_lr_ratio`` at the last step;
-    * ``"wsd"`` (warmup, stable, decay): 1 until the last ``decay_fraction`` of the run, then a
-      linear cooldown to ``min_lr_ratio`` at the last step;
-    * ``"step"``: 1, multiplied by ``step_gamma`` at each of ``step_milestones`` (fractions of the
-      run: step ``round(f * steps)`` is the first at the lower rate).
+    """The learning-rate multiplier at ``step``: a linear warmup over ``warmup_steps``, then 1
+    (``constant``), a cosine to ``min_lr_ratio`` (``cosine``), a linear cooldown over the last
+    ``decay_fraction`` (``wsd``), or ``step_gamma`` more from each of ``step_milestones`` (``step``).
 
     Example:
-        >>> cfg = TrainConfig(steps=101, schedule="cosine", min_lr_ratio=0.0)
-        >>> lr_factor(0, cfg), lr_factor(100, cfg)
-        (1.0, 0.0)
         >>> cfg = TrainConfig(steps=100, schedule="step", step_milestones=(0.5,), step_gamma=0.1)
         >>> lr_factor(49, cfg), lr_factor(50, cfg)
         (1.0, 0.1)

@@ -1,17 +1,6 @@
-"""Small demonstrations used by the first chapters: bit fields, repeated addition, SR samples.
-
-* :func:`decode_bits` splits a representable value into its sign, exponent and mantissa fields;
-  :func:`value_from_bits` goes back from a bit pattern to the value. Both follow the format
-  definition (``formats``), so they work for any format, with or without a native dtype.
-* :func:`repeated_add` adds the same increment ``n`` times, rounding onto the grid after every
-  addition: the smallest possible "training loop" (``w <- q(w + d)``), nearest or stochastic.
-* :func:`sr_samples` draws many stochastic roundings of one value.
-* :func:`grid_neighbours` gives the two grid values around ``x``.
-
-Example:
-    >>> decode_bits(1.5, "bf16").fields
-    '0 01111111 1000000'
-"""
+"""Small demonstrations for the first chapters: bit fields (:func:`decode_bits`,
+:func:`value_from_bits`), the smallest training loop ``w <- q(w + d)`` (:func:`repeated_add`),
+stochastic rounding's samples (:func:`sr_samples`) and grid neighbours (:func:`grid_neighbours`)."""
 
 from __future__ import annotations
 
@@ -22,7 +11,7 @@ from typing import Optional, Tuple, Union
 import torch
 
 from lowprec_demo.formats import FloatFormat, get_format
-from lowprec_demo.rounding.core import GeneratorLike, quantize, ulp
+from lowprec_demo.rounding import GeneratorLike, quantize, ulp
 
 __all__ = ["BitFields", "decode_bits", "value_from_bits", "repeated_add", "sr_samples", "grid_neighbours"]
 
@@ -31,16 +20,8 @@ FormatLike = Union[str, FloatFormat]
 
 @dataclass(frozen=True)
 class BitFields:
-    """The three fields of one encoded value: ``sign`` (0 or 1), the biased ``exponent`` field and
-    the stored ``mantissa`` field, for a format with ``exp_bits`` and ``man_bits``.
-
-    A normal number is ``(-1)**sign * (1 + mantissa / 2**m) * 2**(exponent - bias)``; a subnormal
-    (exponent field 0) is ``(-1)**sign * (mantissa / 2**m) * 2**e_min``.
-
-    Example:
-        >>> decode_bits(448.0, "e4m3").pattern
-        126
-    """
+    """A value's ``sign``, biased ``exponent`` and stored ``mantissa`` fields: a normal number is
+    ``(-1)**sign (1 + mantissa / 2**m) 2**(exponent - bias)``, a subnormal ``(-1)**sign (mantissa / 2**m) 2**e_min``."""
 
     format: str
     sign: int
@@ -56,13 +37,13 @@ class BitFields:
 
     @property
     def fields(self) -> str:
-        """The pattern as ``"sign exponent mantissa"`` in binary, e.g. ``'0 1111 110'``."""
+        """The pattern as ``"sign exponent mantissa"`` in binary."""
         mant = format(self.mantissa, f"0{self.man_bits}b") if self.man_bits else ""
         return f"{self.sign} {self.exponent:0{self.exp_bits}b} {mant}".rstrip()
 
     @property
     def hex(self) -> str:
-        """The pattern in hexadecimal, padded to the format's width, e.g. ``'0x3fc0'``."""
+        """The pattern in hexadecimal, padded to the format's width."""
         digits = -(-(1 + self.exp_bits + self.man_bits) // 4)
         return f"0x{self.pattern:0{digits}x}"
 
@@ -76,9 +57,7 @@ def _check_pattern_format(fmt: FloatFormat) -> None:
 
 
 def value_from_bits(pattern: int, fmt: FormatLike) -> float:
-    """The value a bit pattern encodes in ``fmt`` (sign, exponent field, mantissa field, from the
-    most significant bit down): ``(-1)**s (1 + f/2**m) 2**(e - bias)`` for normal numbers,
-    ``(-1)**s (f/2**m) 2**e_min`` for subnormals, inf and NaN as the format's kind says.
+    """The value a bit pattern encodes in ``fmt`` (inf and NaN as the format's kind says).
 
     Example:
         >>> value_from_bits(0x3FC0, "bf16"), value_from_bits(0x7E, "e4m3"), value_from_bits(0x7F, "e4m3")
@@ -102,10 +81,8 @@ def value_from_bits(pattern: int, fmt: FormatLike) -> float:
 
 
 def decode_bits(value: Union[float, torch.Tensor], fmt: FormatLike) -> BitFields:
-    """Split ``value``, which must lie on ``fmt``'s grid, into its sign, exponent and mantissa
-    fields (the inverse of :func:`value_from_bits`). NaN gets the canonical quiet NaN (top mantissa
-    bit set) in IEEE formats and the all-ones pattern in E4M3-like formats. Round a value onto the
-    grid first (``quantize``) to decode what a format would store.
+    """The fields of ``value``, which must lie on ``fmt``'s grid (``quantize`` it first); NaN gets the
+    canonical quiet NaN in IEEE formats, the all-ones pattern in E4M3-like ones.
 
     Example:
         >>> str(decode_bits(-0.75, "e4m3"))
@@ -144,13 +121,8 @@ def decode_bits(value: Union[float, torch.Tensor], fmt: FormatLike) -> BitFields
 
 def repeated_add(start: float, increment: float, n: int, fmt: FormatLike, rounding: str = "nearest",
                  generator: GeneratorLike = None, paths: int = 1, rand_bits: Optional[int] = None) -> torch.Tensor:
-    """Add ``increment`` to ``start`` ``n`` times, storing the sum in ``fmt`` after every addition:
-    ``w_0 = q(start)``, ``w_{k+1} = q(w_k + increment)``. Returns the trajectory, a float64 tensor
-    of shape ``(n + 1, paths)``; with stochastic rounding each column is an independent sequence.
-
-    The sum is formed in float64 (relative error 2^-53, far below any simulated format's ulp), then
-    rounded once by :func:`lowprec_demo.rounding.quantize`. An int ``generator`` seeds one
-    ``torch.Generator`` for the whole sequence, so every step draws fresh random bits.
+    """``w_0 = q(start)``, ``w_{k+1} = q(w_k + increment)`` for ``n`` steps (sums in float64, rounded
+    once): float64 ``(n + 1, paths)``, the columns independent under stochastic rounding.
 
     Example:
         >>> repeated_add(1.0, 1e-3, 1000, "bf16")[-1].item()
@@ -173,8 +145,7 @@ def repeated_add(start: float, increment: float, n: int, fmt: FormatLike, roundi
 
 def sr_samples(x: float, fmt: FormatLike, n: int, generator: GeneratorLike = None,
                rand_bits: Optional[int] = None) -> torch.Tensor:
-    """``n`` independent stochastic roundings of the one value ``x`` (float64 tensor of shape
-    ``(n,)``). Each sample is one of the two grid neighbours of ``x``.
+    """``n`` independent stochastic roundings of ``x``, each one of its two grid neighbours.
 
     Example:
         >>> sorted(set(sr_samples(1.0 + 2**-9, "bf16", 1000, generator=0).tolist()))
@@ -187,10 +158,7 @@ def sr_samples(x: float, fmt: FormatLike, n: int, generator: GeneratorLike = Non
 
 
 def grid_neighbours(x: torch.Tensor, fmt: FormatLike) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The grid values ``lo <= x <= hi`` around ``x`` (element-wise, by magnitude: ``|lo| <= |x|
-    <= |hi|``, signs as ``x``); ``lo == hi == x`` where ``x`` is on the grid. Between two grid values
-    the gap is ``ulp(x)``, since every power of two is a grid value. For ``|x|`` within the
-    format's range.
+    """The grid values around ``x`` by magnitude, ``|lo| <= |x| <= |hi|``, signs as ``x``, ``ulp(x)`` apart.
 
     Example:
         >>> [t.tolist() for t in grid_neighbours(torch.tensor([1.3], dtype=torch.float64), "e2m1")]

@@ -1,12 +1,5 @@
-"""Data-parallel training under ``torchrun``: this process's place in the job
-(:class:`Distributed`), joining and leaving the process group, and the two collective operations
-the training loop needs (the loss averaged over processes, and a check that the replicas hold
-bit-identical weights).
-
-Example:
-    >>> init_distributed("cpu")   # without torchrun: one process, nothing to join
-    Distributed(rank=0, world_size=1, local_rank=0, backend='')
-"""
+"""Training under ``torchrun``: this process's place (:class:`Distributed`), the process group, DDP
+replicas and FSDP2 shards, the loss averaged over processes, and whether the replicas agree."""
 
 from __future__ import annotations
 
@@ -23,11 +16,7 @@ __all__ = ["Distributed", "init_distributed", "finish_distributed", "DataParalle
 
 @dataclass
 class Distributed:
-    """This process's place in a data-parallel job: ``world_size`` processes, this one ``rank``.
-
-    One process (``world_size == 1``) is the ordinary case; ``torchrun --nproc_per_node=N`` sets
-    ``WORLD_SIZE``, ``RANK`` and ``LOCAL_RANK``, and :func:`init_distributed` joins the group.
-    """
+    """This process's place in a job of ``world_size`` processes (1: the ordinary case)."""
 
     rank: int = 0
     world_size: int = 1
@@ -45,13 +34,12 @@ class Distributed:
 
 
 def init_distributed(device: str = "auto") -> Distributed:
-    """Join the process group that ``torchrun`` describes in the environment (``WORLD_SIZE > 1``),
-    with the NCCL backend on GPUs (one per process, ``LOCAL_RANK``) and gloo on CPUs. A single
-    process gets ``Distributed()`` and nothing happens. Safe to call more than once.
+    """Join the group ``torchrun`` describes (``WORLD_SIZE > 1``; NCCL on GPUs, gloo on CPUs), or
+    return ``Distributed()`` for one process. Safe to repeat.
 
     Example:
-        >>> init_distributed("cpu").world_size   # without torchrun
-        1
+        >>> init_distributed("cpu")   # without torchrun: one process, nothing to join
+        Distributed(rank=0, world_size=1, local_rank=0, backend='')
     """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size <= 1:
@@ -87,28 +75,23 @@ class DataParallel(torch.nn.parallel.DistributedDataParallel):
 
 
 def shard_model(model: torch.nn.Module) -> torch.nn.Module:
-    """Shard every parameter of ``model`` over the processes with FSDP2
-    (``torch.distributed.fsdp.fully_shard`` on the whole model: each process keeps a block of
-    rows of every parameter, the forward and backward passes gather them); returns the model,
-    now also an ``FSDPModule``. Build the optimizer on its parameters afterwards."""
+    """Shard every parameter of ``model`` over the processes with FSDP2's ``fully_shard`` (each
+    keeps a block of rows; the passes gather them) and return it; build the optimizer after."""
     from torch.distributed.fsdp import fully_shard
     fully_shard(model)
     return model
 
 
 def whole_tensors(named: dict):
-    """A tensor source for the step trackers of :mod:`lowprec_demo.prediction` on sharded
-    parameters: a callable returning ``{name: whole tensor}``, each gathered from every
-    process when called (so every process calls it at the same points), plain tensors as
-    they are."""
+    """A tensor source for the freeze trackers on sharded parameters: a callable returning
+    ``{name: whole tensor}``, gathered from every process (so all call it at the same points)."""
     def gather() -> dict:
         return {n: (p.detach().full_tensor() if hasattr(p, "full_tensor") else p) for n, p in named.items()}
     return gather
 
 
 def mean_over_ranks(value: torch.Tensor, dist_info: Distributed) -> torch.Tensor:
-    """The mean of a scalar over all processes: the loss of the whole batch, as one process
-    would compute it."""
+    """The mean of a scalar over all processes: the whole batch's loss, as one process computes it."""
     if not dist_info.enabled:
         return value
     import torch.distributed as dist

@@ -1,26 +1,10 @@
 """What torch itself computes for a parameter stored in bfloat16 or float16, op by op.
 
-``torch.optim.SGD`` and ``torch.optim.AdamW`` on the CPU (their default for-loop code: torch
-chooses its foreach kernels only on accelerators) run every tensor operation of their step in the
-parameter's dtype. Each CPU kernel widens its inputs to float32, computes in float32 and rounds
-the result to the parameter's dtype; a Python scalar enters the kernel as a float32 number,
-except ``alpha`` of ``add``/``sub`` and a scalar added with ``add``, which are rounded to the
-tensor's dtype first. So one bf16 SGD step is ``q(fl32(w + q(-lr) g))``, not ``q(w - lr g)``:
-``lr`` itself is rounded to 8 significant bits.
-
-Not every element goes through the same code. A CPU kernel walks its tensor in vectors of
-:func:`vector_width` elements (32 for a 16-bit type on the AVX-512 EPYC it was measured on) and
-finishes the last ``share % width`` elements of each thread's share one by one. That scalar loop computes
-``add(a, b, alpha)`` as ``q(fl32(a + q(q(alpha) b)))``: the product is rounded to the tensor's
-dtype before the sum, so the result can differ from the vector loop's by a gap (bf16 SGD at lr
-1e-3 on 64,000 spread weights, every one through the scalar loop: 368 differ at the first step).
-Which elements take it depends on the tensor's size and on the number of intra-op threads
-(:func:`scalar_path`): a tensor below :data:`GRAIN_SIZE` elements runs on one thread, a larger one
-is cut into one share per thread. AdamW's kernels (``mul``, ``lerp``, ``addcmul``, ``addcdiv``,
-``sqrt``, ``div``, ``add`` of a scalar) give the same bits on both loops. The functions below
-replay those steps on float64 tensors holding the stored values, with
-:func:`lowprec_demo.quantize` for every rounding; ``tests/test_fidelity.py`` checks that they
-reproduce torch's bits for many steps, at one, two and three threads.
+torch's CPU optimizers (their for-loop code) compute each operation in float32 and round it to the parameter's dtype; a
+Python scalar enters as float32, except ``alpha`` of ``add``/``sub`` and a scalar ``add``, rounded to the dtype first: a
+bf16 SGD step is ``q(fl32(w + q(-lr) g))``. The last ``share % vector_width()`` elements of each thread's share go one
+by one, where ``add`` rounds the product first (:func:`scalar_path`). :func:`sgd_step` and :func:`adamw_step` replay
+this on float64 tensors holding the stored values; ``tests/test_fidelity.py`` checks their bits.
 
 Example:
     >>> w, g = torch.tensor([1.0], dtype=torch.float64), torch.tensor([1.0], dtype=torch.float64)
@@ -37,7 +21,8 @@ from typing import Optional, Tuple, Union
 import torch
 
 from lowprec_demo.formats import FloatFormat
-from lowprec_demo.rounding.core import quantize
+from lowprec_demo.optim import LowPrecisionOptimizer
+from lowprec_demo.rounding import quantize
 
 __all__ = ["sgd_step", "adamw_step", "GRAIN_SIZE", "vector_width", "scalar_path", "NoisyQuadratic",
            "real_and_simulated"]
@@ -67,15 +52,9 @@ GRAIN_SIZE = 32768
 
 @functools.lru_cache(maxsize=None)
 def vector_width() -> int:
-    """How many 16-bit floats torch's CPU kernels take per block of their vector loop on this
-    machine, measured: the smallest bf16 tensor whose ``add_`` goes through the vector loop. The probe is an element where the two loops differ: 0.5390625 plus
-    -1e-3 times 1.9609375 is 0.53515625 on the vector loop and 0.5390625 on the scalar one (the
-    product, rounded to bf16 first, puts the sum on a midpoint, and the tie goes to even).
-
-    Example:
-        >>> vector_width() in (8, 16, 32, 64)
-        True
-    """
+    """The 16-bit elements per block of torch's CPU vector loop on this machine: the smallest bf16
+    tensor whose ``add_`` takes it, probed where the loops differ (0.5390625 - 1e-3 * 1.9609375 is
+    0.53515625 there, while the scalar loop's rounded product leaves a tie that goes to 0.5390625)."""
     for n in range(1, 257):
         w = torch.full((n,), 0.5390625, dtype=torch.bfloat16)
         w.add_(torch.full((n,), 1.9609375, dtype=torch.bfloat16), alpha=-1e-3)
@@ -85,11 +64,9 @@ def vector_width() -> int:
 
 
 def scalar_path(numel: int, threads: Optional[int] = None) -> torch.Tensor:
-    """Which elements of a contiguous tensor of ``numel`` elements torch's CPU kernels compute
-    in their scalar loop, as a bool tensor. With ``T = 1`` below :data:`GRAIN_SIZE` elements or
-    at one thread, else ``T = min(threads, ceil(numel / GRAIN_SIZE))``, the tensor is cut into
-    ``T`` shares of ``ceil(numel / T)`` elements, and the last ``share % vector_width()`` of each
-    share go one by one. ``threads``: torch's intra-op threads (default ``torch.get_num_threads()``).
+    """Which elements of a contiguous tensor torch's CPU kernels compute in their scalar loop: the
+    last ``share % vector_width()`` of each of ``T`` shares of ``ceil(numel / T)``, ``T`` being 1
+    below :data:`GRAIN_SIZE` elements or at one thread, else ``min(threads, ceil(numel / GRAIN_SIZE))``.
 
     Example:
         >>> int(scalar_path(100_000, threads=2).sum())   # two shares of 50,000; blocks of 32: 16 + 16
@@ -123,15 +100,11 @@ def _add(a: torch.Tensor, b: torch.Tensor, alpha: float, fmt: Format, scalar: to
 def sgd_step(param: torch.Tensor, grad: torch.Tensor, state: dict, *, lr: float,
              momentum: float = 0.0, dampening: float = 0.0, weight_decay: float = 0.0,
              nesterov: bool = False, fmt: Format = "bf16", threads: Optional[int] = None) -> torch.Tensor:
-    """One ``torch.optim.SGD`` step on a CPU parameter of dtype ``fmt``, replayed exactly.
-
-    ``param`` and ``grad`` are float64 tensors holding ``fmt`` values; ``state`` holds the
-    ``"momentum_buffer"`` between calls. With ``q`` the rounding to ``fmt`` and ``fl32`` to
-    float32: ``g = q(fl32(g + q(wd) w))``; ``b = g`` at the first step, then
-    ``b = q(fl32(q(fl32(b fl32(mu))) + q(1 - dampening) g))``; Nesterov ``g = q(fl32(g + q(mu) b))``
-    else ``g = b``; ``w = q(fl32(w + q(-lr) g))``. On the elements of :func:`scalar_path` (for
-    ``threads``, default torch's current count) each of these additions rounds its product
-    first: ``w = q(fl32(w + q(q(-lr) g)))``. Returns the new ``param``.
+    """One ``torch.optim.SGD`` step on a CPU parameter of dtype ``fmt``, replayed exactly on float64 ``param`` and
+    ``grad`` holding ``fmt`` values (``state`` keeps the momentum buffer); returns the new ``param``. With ``q`` the
+    rounding to ``fmt`` and ``fl32`` to float32: ``g = q(fl32(g + q(wd) w))``; ``b = g`` first, then
+    ``b = q(fl32(q(fl32(b fl32(mu))) + q(1 - dampening) g))``; ``g = q(fl32(g + q(mu) b))`` (Nesterov) or ``b``;
+    ``w = q(fl32(w + q(-lr) g))``. On the elements of :func:`scalar_path` each addition rounds its product first.
 
     Example:
         >>> sgd_step(torch.ones(1, dtype=torch.float64), torch.ones(1, dtype=torch.float64), {}, lr=1e-3).item()
@@ -155,19 +128,13 @@ def sgd_step(param: torch.Tensor, grad: torch.Tensor, state: dict, *, lr: float,
 def adamw_step(param: torch.Tensor, grad: torch.Tensor, state: dict, *, lr: float,
                betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                weight_decay: float = 1e-2, fmt: Format = "bf16") -> torch.Tensor:
-    """One ``torch.optim.AdamW`` step on a CPU parameter of dtype ``fmt`` (its moments are then
-    of that dtype too), replayed exactly, at any number of threads (its kernels give the same
-    bits on their vector and scalar loops). ``state`` holds ``"step"``, ``"exp_avg"`` and
-    ``"exp_avg_sq"`` between calls; returns the new ``param``.
-
-    The step, with ``q`` the rounding to ``fmt``, ``fl32`` to float32 and the bias corrections
-    ``c1 = 1 - b1**t``, ``c2 = 1 - b2**t`` in Python floats:
-    ``w = q(fl32(w fl32(1 - lr wd)))``; ``m = m.lerp(g, 1 - b1)``, that is
-    ``q(fl32(m + a fl32(g - m)))`` with ``a = fl32(1 - b1)`` fused (for ``a >= 0.5`` the kernel
-    computes ``q(fl32(g + (a - 1) fl32(g - m)))``); ``v = q(fl32(v fl32(b2)))``, then
-    ``v = q(fl32(v + fl32(fl32(1 - b2) g) g))`` fused; ``d = q(fl32(sqrt v))``,
-    ``d = q(fl32(d / fl32(sqrt c2)))``, ``d = q(fl32(d + q(eps)))`` (so fp16 drops an eps of 1e-8
-    to 0); ``w = q(fl32(w + fl32(fl32(-lr/c1) m) / d))``.
+    """One ``torch.optim.AdamW`` step on a CPU parameter of dtype ``fmt`` (its moments too), replayed
+    exactly at any thread count (``state`` keeps ``step``, ``exp_avg``, ``exp_avg_sq``); returns the
+    new ``param``. With ``c1 = 1 - b1**t``, ``c2 = 1 - b2**t`` in Python floats:
+    ``w = q(fl32(w fl32(1 - lr wd)))``; ``m = q(fl32(m + a fl32(g - m)))`` with ``a = fl32(1 - b1)`` (``lerp``; for
+    ``a >= 0.5`` it computes ``q(fl32(g + (a - 1) fl32(g - m)))``); ``v = q(fl32(v fl32(b2)))``, then
+    ``v = q(fl32(v + fl32(fl32(1 - b2) g) g))``; ``d = q(fl32(sqrt v))``, ``d = q(fl32(d / fl32(sqrt c2)))``,
+    ``d = q(fl32(d + q(eps)))`` (fp16 drops an eps of 1e-8 to 0); ``w = q(fl32(w + fl32(fl32(-lr/c1) m) / d))``.
 
     Example:
         >>> w, g = torch.ones(1, dtype=torch.float64), torch.full((1,), 0.5, dtype=torch.float64)
@@ -196,18 +163,9 @@ def adamw_step(param: torch.Tensor, grad: torch.Tensor, state: dict, *, lr: floa
 
 
 class NoisyQuadratic:
-    """The problem the cross-checks train: ``loss = mean(h (w - target)**2 / 2)`` with curvatures
-    ``h`` from 0.1 to 10 (log-uniform) and gradient noise of standard deviation ``noise``, the
-    same at a given step for every run. The gradient is computed in float32 from the stored
-    weights and handed to the parameter in its own dtype, as autograd would.
-
-    Example:
-        >>> problem = NoisyQuadratic(1024)
-        >>> p = torch.nn.Parameter(problem.w0.clone())
-        >>> moved, losses, never_moved = problem.train(p, torch.optim.SGD([p], lr=0.1), steps=5)
-        >>> len(losses)
-        5
-    """
+    """The problem the cross-checks train: ``mean(h (w - target)**2 / 2)``, curvatures ``h`` log-uniform in [0.1, 10],
+    gradient noise of standard deviation ``noise`` (the same at a step for every run), the gradient computed in
+    float32 from the stored weights and handed over in the parameter's dtype, as autograd would."""
 
     def __init__(self, n: int, seed: int = 0, noise: float = 0.5) -> None:
         g = torch.Generator().manual_seed(seed)
@@ -225,10 +183,9 @@ class NoisyQuadratic:
         return (0.5 * self.h * (w.float() - self.target) ** 2).mean().item()
 
     def train(self, param: torch.nn.Parameter, optimizer, steps: int, after_step=None):
-        """Train ``param`` (float32, bfloat16 or float16) with ``optimizer`` for ``steps`` steps.
-        Returns ``(moved, losses, never_moved)``: per step the fraction of elements whose stored
-        value changed and the loss, and the share of elements that never changed. ``after_step``,
-        if given, is called after every step."""
+        """Train ``param`` (float32, bfloat16 or float16) for ``steps`` steps, calling
+        ``after_step`` after each; ``(moved, losses, never_moved)``: per step the share of elements
+        whose stored value changed and the loss, and the share that never changed."""
         moved, losses = [], []
         ever = torch.zeros(self.n, dtype=torch.bool)
         for t in range(steps):
@@ -246,24 +203,14 @@ class NoisyQuadratic:
 
 def real_and_simulated(lr: float = 1e-3, optimizer: str = "adamw", fmt: str = "bf16", n: int = 1 << 15,
                        steps: int = 200, seed: int = 0, noise: float = 0.5) -> dict:
-    """Train the same noisy quadratic twice from one start: parameters really stored in ``fmt``
-    (``torch.bfloat16`` or ``torch.float16``) under torch's own optimizer, and float32 parameters
-    under ``LowPrecisionOptimizer`` (the book's simulation), each fed the gradient of its own
-    stored weights. The loss is ``mean(h (w - target)**2 / 2)`` with curvatures ``h`` from 0.1 to
-    10 and gradient noise of standard deviation ``noise``.
-
-    Returns, per run (``"real"``, ``"simulated"``): ``moved`` (per step, the fraction of elements
-    whose stored value changed), ``never_moved`` (the share that never changed) and ``loss`` (per
-    step); and ``second_moment_decreased``: whether any element of the real run's
-    ``exp_avg_sq`` ever decreased (AdamW only).
+    """:class:`NoisyQuadratic` trained from one start stored in ``fmt`` (bf16 or fp16) under torch's
+    optimizer (``"real"``) and in float32 under ``LowPrecisionOptimizer`` (``"simulated"``): each
+    with ``moved``, ``loss``, ``never_moved``; and ``second_moment_decreased`` (AdamW).
 
     Example:
-        >>> r = real_and_simulated(lr=1e-3, n=1024, steps=20)
-        >>> sorted(r)
+        >>> sorted(real_and_simulated(lr=1e-3, n=1024, steps=20))
         ['real', 'second_moment_decreased', 'simulated']
     """
-    from lowprec_demo.optim.optimizer import LowPrecisionOptimizer  # optimizer imports rounding, as this module does
-
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
     if fmt not in dtypes:
         raise ValueError(f"fmt must be one of {', '.join(dtypes)} (a torch dtype); got {fmt!r}")
@@ -286,6 +233,5 @@ def real_and_simulated(lr: float = 1e-3, optimizer: str = "adamw", fmt: str = "b
         moved, loss, never = problem.train(p, opts[key], steps,
                                            watch_second_moment if key == "real" and optimizer == "adamw" else None)
         result[key] = {"moved": moved.tolist(), "loss": loss.tolist(), "never_moved": never}
-    decreased = history["decreased"]
-    result["second_moment_decreased"] = decreased
+    result["second_moment_decreased"] = history["decreased"]
     return result

@@ -1,15 +1,6 @@
-"""Numbers for the book's prose: :func:`glue` records a value that a page's text quotes with
-myst-nb's ``{glue:text}`name``` role, so the text is made from the cell's output and cannot
-drift from it.
-
-It writes the same output as ``myst_nb.glue`` (an ``application/papermill.record`` display
-bundle), without importing myst-nb: a reader's kernel on Colab or Binder needs only IPython.
-
-Example (in a chapter, with ``{glue:text}`ch2_steps`` in a markdown cell)::
-
-    from lowprec_demo.book.glue import glue
-    glue("ch2_steps", 61)
-"""
+"""Numbers for the prose: :func:`glue` records a value a page quotes with myst-nb's
+``{glue:text}`name``` role, as ``myst_nb.glue`` does, without importing myst-nb (a
+reader's kernel needs only IPython). E.g. ``glue("ch2_steps", 61)``."""
 
 from __future__ import annotations
 
@@ -21,13 +12,10 @@ GLUE_PREFIX = "application/papermill.record/"
 
 
 def glue(name: str, value: Any, display: bool = False) -> None:
-    """Record ``value`` under ``name`` for ``{glue:text}`name``` (and ``{glue}`name```) in the
-    page's markdown. Numpy and torch scalars are stored as Python numbers, so a format spec such
-    as ``{glue:text}`name:.3f``` applies; strings are stored as they are (no quotes on the page).
-    ``display=True`` also shows the value in the cell's output.
-
-    Raises ``ValueError`` for a name that is not an identifier-like key (letters, digits, ``_``,
-    ``-``, ``.``), which the role could not find."""
+    """Record ``value`` under ``name`` for ``{glue:text}`name``` (and ``{glue}`name```). Numpy and
+    torch scalars are stored as Python numbers, so ``{glue:text}`name:.3f``` applies; strings as
+    they are (no quotes on the page). ``display=True`` also shows the value. A name other than
+    letters, digits, ``_``, ``-`` and ``.`` (which the role could not find) raises ValueError."""
     if not isinstance(name, str) or not name or not all(c.isalnum() or c in "_-." for c in name):
         raise ValueError(f"a glue name is letters, digits, '_', '-' or '.'; got {name!r}")
     if hasattr(value, "item") and callable(value.item) and getattr(value, "ndim", 0) == 0:

@@ -1,12 +1,9 @@
-"""The models the book trains: a GPT (nanoGPT layout), a small MLP and LeNet-5.
+"""The models the book trains, a GPT (nanoGPT's layout), a small MLP and LeNet-5, each drawing its
+initial weights from the ``generator`` it is given alone (every run starts from the same weights).
 
-Every model takes a ``generator`` argument: its initial weights are drawn from that
-``torch.Generator`` alone, so a reference run and a low-precision run can start from exactly
-the same weights without touching the global random state.
-
-Example::
-
-    >>> model = GPT(gpt_config("nanogpt-quick"), generator=torch.Generator().manual_seed(0))
+Example:
+    >>> GPT(gpt_config("nanogpt-quick"), generator=torch.Generator().manual_seed(0)).num_params()
+    809856
 """
 
 from __future__ import annotations
@@ -20,28 +17,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = [
-    "GPTConfig",
-    "GPT",
-    "GPT_CONFIGS",
-    "gpt_config",
-    "MLP",
-    "LeNet5",
-]
-
-
-# --------------------------------------------------------------------------------------------
-# Seeded initialisation helpers
-# --------------------------------------------------------------------------------------------
+__all__ = ["GPTConfig", "GPT", "GPT_CONFIGS", "gpt_config", "MLP", "LeNet5"]
 
 
 def _fill_from(tensor: torch.Tensor, draw, generator: Optional[torch.Generator]) -> None:
-    """Fill ``tensor`` in place with ``draw(t, generator)``.
-
-    A generator lives on one device; when the tensor lives elsewhere the numbers are drawn on
-    the generator's device and copied, so the same seed gives the same weights on every device.
-    Meta tensors (used to count parameters without memory) hold no values and are skipped.
-    """
+    """Fill ``tensor`` with ``draw(t, generator)``, drawn on the generator's device and copied when the tensor lives
+    elsewhere (the same seed gives the same weights on every device); meta tensors are skipped."""
     with torch.no_grad():
         if tensor.device.type == "meta":
             return
@@ -53,43 +34,18 @@ def _fill_from(tensor: torch.Tensor, draw, generator: Optional[torch.Generator])
             tensor.copy_(staging)
 
 
-def _normal_(tensor: torch.Tensor, std: float, generator: Optional[torch.Generator]) -> None:
-    _fill_from(tensor, lambda t, g: t.normal_(0.0, std, generator=g), generator)
-
-
-def _uniform_(tensor: torch.Tensor, bound: float, generator: Optional[torch.Generator]) -> None:
-    _fill_from(tensor, lambda t, g: t.uniform_(-bound, bound, generator=g), generator)
-
-
 def _pytorch_default_init_(module: nn.Module, generator: Optional[torch.Generator]) -> None:
-    """PyTorch's default init for Linear/Conv, drawn from ``generator``.
-
-    ``kaiming_uniform_(a=sqrt(5))`` reduces to U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for the weight,
-    and the bias uses the same bound.
-    """
-    weight = module.weight
-    fan_in = weight[0].numel()  # in_features, or in_channels * kernel area
-    bound = 1.0 / math.sqrt(fan_in)
-    _uniform_(weight, bound, generator)
-    if module.bias is not None:
-        _uniform_(module.bias, bound, generator)
-
-
-# --------------------------------------------------------------------------------------------
-# GPT
-# --------------------------------------------------------------------------------------------
+    """PyTorch's default init of a Linear or Conv, drawn from ``generator``:
+    ``kaiming_uniform_(a=sqrt(5))`` is U(-1/sqrt(fan_in), 1/sqrt(fan_in)), the bias the same."""
+    bound = 1.0 / math.sqrt(module.weight[0].numel())   # fan_in: in_features, or in_channels * kernel area
+    for tensor in (module.weight, module.bias):
+        if tensor is not None:
+            _fill_from(tensor, lambda t, g: t.uniform_(-bound, bound, generator=g), generator)
 
 
 @dataclass
 class GPTConfig:
-    """Shape of a GPT.
-
-    ``n_embd`` must be divisible by ``n_head``; ``block_size`` is the longest context.
-
-    Example::
-
-        >>> GPTConfig(block_size=64, vocab_size=65, n_layer=4, n_head=4, n_embd=128)
-    """
+    """The shape of a GPT: ``block_size`` is the longest context; ``n_embd`` must be divisible by ``n_head``."""
 
     block_size: int
     vocab_size: int
@@ -105,21 +61,13 @@ class GPTConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"GPTConfig.{name} must be a positive integer, got {value!r}")
         if self.n_embd % self.n_head != 0:
-            raise ValueError(
-                f"GPTConfig.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})"
-            )
+            raise ValueError(f"GPTConfig.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}")
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head self-attention in which position t only sees positions <= t.
-
-    Example::
-
-        >>> CausalSelfAttention(gpt_config("nanogpt-quick"))(torch.zeros(2, 8, 128)).shape
-        torch.Size([2, 8, 128])
-    """
+    """Multi-head self-attention in which position t only sees positions <= t."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -134,25 +82,14 @@ class CausalSelfAttention(nn.Module):
         batch, time, channels = x.shape
         q, k, v = self.c_attn(x).split(channels, dim=2)
         # (B, T, C) -> (B, n_head, T, head_size)
-        q, k, v = (
-            t.view(batch, time, self.n_head, channels // self.n_head).transpose(1, 2)
-            for t in (q, k, v)
-        )
-        y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
-        )
+        q, k, v = (t.view(batch, time, self.n_head, channels // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
         y = y.transpose(1, 2).contiguous().view(batch, time, channels)
         return self.resid_dropout(self.c_proj(y))
 
 
 class FeedForward(nn.Module):
-    """The transformer's position-wise MLP: n_embd -> 4 n_embd -> GELU -> n_embd.
-
-    Example::
-
-        >>> FeedForward(gpt_config("nanogpt-quick"))(torch.zeros(2, 8, 128)).shape
-        torch.Size([2, 8, 128])
-    """
+    """The transformer's position-wise MLP: n_embd -> 4 n_embd -> GELU -> n_embd."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -166,13 +103,7 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    """One pre-LayerNorm transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x)).
-
-    Example::
-
-        >>> Block(gpt_config("nanogpt-quick"))(torch.zeros(2, 8, 128)).shape
-        torch.Size([2, 8, 128])
-    """
+    """One pre-LayerNorm transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x))."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -187,35 +118,17 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """A GPT-2 style decoder-only transformer, laid out like nanoGPT's.
-
-    Parameter names follow GPT-2/nanoGPT (``transformer.wte.weight``,
-    ``transformer.h.0.attn.c_attn.weight``, ``transformer.ln_f.weight``, ...). The output layer
-    ``lm_head`` shares its weight with the token embedding ``wte``.
-
-    Initialisation (GPT-2): Linear and Embedding weights ~ N(0, 0.02^2), biases 0, LayerNorm
-    weight 1 and bias 0, and the residual projections ``c_proj`` ~ N(0, (0.02/sqrt(2 n_layer))^2)
-    so that the residual stream does not grow with depth. All draws come from ``generator``
-    (the global RNG when it is ``None``).
-
-    Example::
-
-        >>> model = GPT(gpt_config("nanogpt-quick"), generator=torch.Generator().manual_seed(0))
-        >>> logits, loss = model(torch.zeros(2, 16, dtype=torch.long))
-    """
+    """A GPT-2 style decoder with nanoGPT's parameter names; ``lm_head`` shares ``wte``'s weight.
+    GPT-2's initialisation: weights ~ N(0, 0.02^2), the residual projections ``c_proj`` ~
+    N(0, (0.02/sqrt(2 n_layer))^2), biases 0, LayerNorm weights 1, all from ``generator``."""
 
     def __init__(self, config: GPTConfig, generator: Optional[torch.Generator] = None) -> None:
         super().__init__()
         self.config = config
-        self.transformer = nn.ModuleDict(
-            dict(
-                wte=nn.Embedding(config.vocab_size, config.n_embd),
-                wpe=nn.Embedding(config.block_size, config.n_embd),
-                drop=nn.Dropout(config.dropout),
-                h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
-                ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
-            )
-        )
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd), wpe=nn.Embedding(config.block_size, config.n_embd),
+            drop=nn.Dropout(config.dropout), h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+            ln_f=nn.LayerNorm(config.n_embd, bias=config.bias)))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # weight tying
         self._init_weights(generator)
@@ -232,28 +145,17 @@ class GPT(nn.Module):
                         module.bias.zero_()
             elif isinstance(module, (nn.Linear, nn.Embedding)):
                 std = residual_std if name.endswith("c_proj") else 0.02
-                _normal_(module.weight, std, generator)
+                _fill_from(module.weight, lambda t, g: t.normal_(0.0, std, generator=g), generator)
                 if getattr(module, "bias", None) is not None:
                     with torch.no_grad():
                         module.bias.zero_()
 
-    def forward(
-        self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None
-    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """Logits for every position, and the mean cross-entropy when ``targets`` is given.
-
-        ``idx`` and ``targets`` are (batch, time) token ids with time <= block_size; the logits are
-        (batch, time, vocab_size). Targets equal to -1 are ignored.
-
-        Example::
-
-            >>> logits, loss = model(x, y)  # loss = -mean log softmax(logits)[y]
-        """
+    def forward(self, idx: torch.Tensor,
+                targets: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Logits (B, T, vocab) of ``idx``, and the mean cross-entropy against ``targets`` if given (-1: ignored)."""
         batch, time = idx.shape
         if time > self.config.block_size:
-            raise ValueError(
-                f"sequence of length {time} is longer than block_size {self.config.block_size}"
-            )
+            raise ValueError(f"sequence of length {time} is longer than block_size {self.config.block_size}")
         pos = torch.arange(time, dtype=torch.long, device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
         for block in self.transformer.h:
@@ -261,22 +163,11 @@ class GPT(nn.Module):
         logits = self.lm_head(self.transformer.ln_f(x))
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(
-                logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1
-            )
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
         return logits, loss
 
     def num_params(self, non_embedding: bool = False) -> int:
-        """Number of parameters, the tied ``wte``/``lm_head`` weight counted once.
-
-        With ``non_embedding=True`` the position embedding is left out (nanoGPT's convention for
-        reporting model size; the token embedding stays because it is also the output layer).
-
-        Example::
-
-            >>> GPT(gpt_config("gpt2")).num_params()
-            124475904
-        """
+        """The parameters, ``wte``/``lm_head`` once; without the position embedding with ``non_embedding``."""
         total = sum(p.numel() for p in self.parameters())
         if non_embedding:
             total -= self.transformer.wpe.weight.numel()
@@ -284,64 +175,35 @@ class GPT(nn.Module):
 
 
 GPT_CONFIGS: dict[str, GPTConfig] = {
-    # GPT-2 small (124M). 50257 tokens padded up to a multiple of 64 (50304), as nanoGPT does,
-    # because matrix shapes divisible by 64 run faster on GPUs.
+    # GPT-2 small (124M), 50257 tokens padded to a multiple of 64 as nanoGPT does (faster on GPUs)
     "gpt2": GPTConfig(block_size=1024, vocab_size=50304, n_layer=12, n_head=12, n_embd=768),
-    # nanoGPT's character-level Shakespeare model (65 distinct characters), without dropout.
+    # nanoGPT's character-level Shakespeare model (65 characters), without dropout
     "shakespeare-char": GPTConfig(block_size=256, vocab_size=65, n_layer=6, n_head=6, n_embd=384),
-    # Small enough to train for a few hundred steps on a laptop CPU in a minute or two.
+    # small enough for a few hundred steps on a laptop CPU
     "nanogpt-quick": GPTConfig(block_size=64, vocab_size=65, n_layer=4, n_head=4, n_embd=128),
 }
 
 
 def gpt_config(name: str, **overrides) -> GPTConfig:
-    """A fresh copy of the named configuration in ``GPT_CONFIGS``, with fields overridden.
-
-    Example::
-
-        >>> gpt_config("shakespeare-char", vocab_size=tokenizer.vocab_size).n_layer
-        6
-    """
+    """A copy of ``GPT_CONFIGS[name]`` with fields overridden. Example: ``gpt_config("gpt2", n_layer=2)``."""
     if name not in GPT_CONFIGS:
         raise ValueError(f"unknown GPT config {name!r}; valid names: {', '.join(GPT_CONFIGS)}")
     fields = {f.name for f in dataclasses.fields(GPTConfig)}
     unknown = sorted(set(overrides) - fields)
     if unknown:
-        raise ValueError(
-            f"unknown GPTConfig field(s) {', '.join(unknown)}; "
-            f"valid fields: {', '.join(sorted(fields))}"
-        )
+        raise ValueError(f"unknown GPTConfig field(s) {', '.join(unknown)}; valid fields: {', '.join(sorted(fields))}")
     return dataclasses.replace(GPT_CONFIGS[name], **overrides)
 
-
-# --------------------------------------------------------------------------------------------
-# Small models for the MNIST and regression chapters
-# --------------------------------------------------------------------------------------------
 
 _ACTIVATIONS = {"relu": nn.ReLU, "gelu": nn.GELU, "tanh": nn.Tanh}
 
 
 class MLP(nn.Module):
-    """Fully connected network: Linear(sizes[0], sizes[1]), activation, ..., Linear(.., sizes[-1]).
+    """Linear layers of ``sizes`` with ``activation`` between them (inputs flattened from dimension 1),
+    PyTorch's default initialisation drawn from ``generator``."""
 
-    There is no activation after the last layer. Inputs with more than two dimensions are
-    flattened from dimension 1, so ``MLP([784, 128, 10])`` takes MNIST images (N, 1, 28, 28).
-    Weights and biases use PyTorch's default U(-1/sqrt(fan_in), 1/sqrt(fan_in)), drawn from
-    ``generator``.
-
-    Example::
-
-        >>> mlp = MLP([784, 128, 10], "relu", generator=torch.Generator().manual_seed(0))
-        >>> mlp(torch.zeros(5, 784)).shape
-        torch.Size([5, 10])
-    """
-
-    def __init__(
-        self,
-        sizes: Sequence[int],
-        activation: str = "relu",
-        generator: Optional[torch.Generator] = None,
-    ) -> None:
+    def __init__(self, sizes: Sequence[int], activation: str = "relu",
+                 generator: Optional[torch.Generator] = None) -> None:
         super().__init__()
         sizes = list(sizes)
         if len(sizes) < 2 or any(not isinstance(s, int) or s < 1 for s in sizes):
@@ -365,17 +227,8 @@ class MLP(nn.Module):
 
 
 class LeNet5(nn.Module):
-    """LeNet-5 for 1x28x28 images: two (5x5 conv, ReLU, 2x2 max-pool) stages, then 400-120-84-N.
-
-    conv1 pads by 2 so the 28x28 input behaves like LeNet's original 32x32; after the second
-    pool the features are 16 x 5 x 5 = 400. 61,706 parameters for 10 classes. PyTorch's default
-    initialisation, drawn from ``generator``.
-
-    Example::
-
-        >>> LeNet5(generator=torch.Generator().manual_seed(0))(torch.zeros(8, 1, 28, 28)).shape
-        torch.Size([8, 10])
-    """
+    """LeNet-5 for 1x28x28 images: two (5x5 conv, ReLU, 2x2 max-pool) stages, then 400-120-84-N;
+    61,706 parameters for 10 classes, PyTorch's default initialisation drawn from ``generator``."""
 
     def __init__(self, num_classes: int = 10, generator: Optional[torch.Generator] = None) -> None:
         super().__init__()
@@ -392,7 +245,4 @@ class LeNet5(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = F.max_pool2d(F.relu(self.conv1(x)), 2)
         x = F.max_pool2d(F.relu(self.conv2(x)), 2)
-        x = x.flatten(1)
-        x = F.relu(self.fc1(x))
-        x = F.relu(self.fc2(x))
-        return self.fc3(x)
+        return self.fc3(F.relu(self.fc2(F.relu(self.fc1(x.flatten(1))))))

@@ -1,22 +1,5 @@
-"""The book's figures, one function each; all take a matplotlib ``ax`` (created when omitted)
-and return it.
-
-* :func:`plot_losses`: reference, round-to-nearest and stochastic loss curves on one axes.
-* :func:`plot_frozen`: predicted against observed frozen fraction, freeze steps marked.
-* :func:`plot_frozen_by_tensor`: the same per tensor (which layers freeze first).
-* :func:`plot_freeze_sweep`: predicted against observed freeze step, one point per run.
-* :func:`plot_baselines`: the prediction and the baselines that ignore the trajectory against
-  the observed frozen fraction.
-* :func:`plot_element_agreement`: per step, the fraction of elements whose predicted and
-  observed states differ, against what independent masks would give.
-* :func:`plot_evidence`: the two side by side, for one run.
-* :func:`plot_grid` and :func:`plot_ulp`: what a format's grid looks like.
-* :func:`plot_ratio_histogram`: the distribution of update/ULP ratios.
-
-One style for every figure: :func:`use_book_style` (matplotlib's defaults), :data:`STYLES` and
-:func:`style` (colour and line style of each variant), :func:`series_style` and
-:func:`tensor_styles` (families of curves), :func:`label_lines` (labels at the lines' ends instead
-of a legend).
+"""The book's figures, each drawn on a matplotlib ``ax`` (made when omitted) and returned, in the
+style of :mod:`lowprec_demo.common.style` (re-exported here).
 
 Example:
     >>> ax = plot_ulp(["bf16", "fp16"])
@@ -29,16 +12,17 @@ from typing import Iterable, List, Optional, Sequence
 import matplotlib.pyplot as plt
 import numpy as np
 
-from lowprec_demo.formats import get_format
-from lowprec_demo.freeze.prediction import RATIO_BINS, freeze_order
 from lowprec_demo.book.results import describe
-from lowprec_demo.common.style import (BOOK_RC, COLORS, LABELS, PALETTE, STYLES, label_lines, series_style, style,
+from lowprec_demo.formats import get_format
+from lowprec_demo.freeze import RATIO_BINS, freeze_order
+from lowprec_demo.common.style import (COLORS, LABELS, PALETTE, STYLES, label_lines, series_style, style,
                                        tensor_styles, use_book_style)
 
 __all__ = ["COLORS", "LABELS", "PALETTE", "STYLES", "use_book_style", "style", "series_style", "tensor_styles",
            "label_lines", "plot_losses", "plot_frozen", "plot_frozen_by_tensor", "plot_freeze_sweep", "plot_grid",
            "plot_ulp", "plot_ratio_histogram", "provenance_label", "plot_run", "grid_values", "plot_baselines",
            "plot_element_agreement", "plot_evidence", "plot_remedies"]
+
 
 def _reference_name(result) -> str:
     return {"float32": "fp32", "float64": "fp64"}.get(result.config.reference_dtype, result.config.reference_dtype)
@@ -66,19 +50,13 @@ def _smooth(values: Sequence[float], window: int) -> np.ndarray:
 
 
 def provenance_label(result) -> str:
-    """The 'where this came from' line of a stored result, for a figure's title: the line of
-    :func:`lowprec_demo.results.describe` (device, date, commit, torch version, steps, seed).
-
-    Example: ``provenance_label(result)`` -> ``"NVIDIA H200, 2026-11-29, commit 1a2b3c4, torch 2.11.0; 1200 steps, seed 0"``."""
+    """Where a stored result came from, for a figure's title (:func:`~lowprec_demo.book.results.describe`)."""
     return describe(result)
 
 
 def plot_losses(result, ax=None, variants: Optional[Iterable[str]] = None, log: bool = True, smooth: int = 1,
                 mark_freeze: bool = True, title: Optional[str] = None):
-    """Training loss per step of each variant on one axes; the predicted freeze step as a
-    dotted line.
-
-    Example: ``plot_losses(run_experiment("quadratic", progress=False))``."""
+    """Training loss per step of each variant; the predicted freeze step as a dotted line."""
     ax = _ax(ax)
     for v in variants or result.runs:
         run = result.runs[v]
@@ -90,19 +68,16 @@ def plot_losses(result, ax=None, variants: Optional[Iterable[str]] = None, log: 
                        label=f"predicted freeze (step {step})")
     if log:
         ax.set_yscale("log")
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss" + (f" ({smooth}-step mean)" if smooth > 1 else ""))
-    ax.set_title(title or f"{result.experiment}: stored weights in {result.format}")
+    ax.set(xlabel="step", ylabel="training loss" + (f" ({smooth}-step mean)" if smooth > 1 else ""),
+           title=title or f"{result.experiment}: stored weights in {result.format}")
     ax.legend(frameon=False)
     return ax
 
 
 def plot_frozen(result, ax=None, threshold: Optional[float] = None, show_sr: bool = True, title: Optional[str] = None):
-    """Fraction of frozen elements per step: predicted from the reference run against observed in
-    the round-to-nearest run, both freeze steps marked; optionally the fraction stochastic
-    rounding is predicted to leave in place (1 - move fraction) and the observed one.
-
-    Example: ``plot_frozen(result, threshold=0.5)``."""
+    """Frozen fraction per step, predicted from the reference run against observed in the
+    round-to-nearest run, both freeze steps marked; with ``show_sr`` also the fraction stochastic
+    rounding is predicted to leave in place (1 - move fraction) and the observed one."""
     ax = _ax(ax)
     threshold = threshold or result.config.threshold
     pred = result.prediction
@@ -116,10 +91,8 @@ def plot_frozen(result, ax=None, threshold: Optional[float] = None, show_sr: boo
             ax.plot(result.runs["stochastic"].frozen.overall, lw=1.2, label="observed still, stochastic",
                     **style("stochastic"))
     ax.axhline(threshold, color="0.6", lw=0.8, ls=":")
-    # The freeze steps as vertical lines, labelled low down to the right of their line, where the
-    # curves (above the threshold after it) leave room; the two labels on separate heights.
-    # Both labelled on the right of their lines (where the curves, frozen by then, run near the
-    # top), the earlier one higher, so the two never share a line of text.
+    # the freeze steps labelled low down, right of their lines (the curves run high by then),
+    # the earlier one higher, so the two labels never share a line of text
     marks = [(step, color, name) for step, color, name in (
         (result.predicted_freeze_step(threshold), COLORS["predicted"], "predicted"),
         (result.observed_freeze_step("nearest", threshold) if "nearest" in result.runs else None,
@@ -130,10 +103,8 @@ def plot_frozen(result, ax=None, threshold: Optional[float] = None, show_sr: boo
         ax.annotate(f"{name}: step {step}", (step, 0.04 + 0.09 * (len(marks) - 1 - k)),
                     xycoords=("data", "axes fraction"), textcoords="offset points", xytext=(4, 0),
                     color=color, fontsize=8)
-    ax.set_ylim(-0.02, 1.02)
-    ax.set_xlabel("step")
-    ax.set_ylabel("fraction of elements not moved")
-    ax.set_title(title or f"{result.experiment}, {result.format}: frozen fraction (threshold {threshold})")
+    ax.set(ylim=(-0.02, 1.02), xlabel="step", ylabel="fraction of elements not moved",
+           title=title or f"{result.experiment}, {result.format}: frozen fraction (threshold {threshold})")
     ax.legend(frameon=False, fontsize=8, loc="center right")
     return ax
 
@@ -141,11 +112,8 @@ def plot_frozen(result, ax=None, threshold: Optional[float] = None, show_sr: boo
 def plot_run(result, axes=None, title: Optional[str] = None, frozen_title: str = "frozen fraction",
              variants: Optional[Iterable[str]] = None, smooth: int = 1, show_sr: bool = True,
              loss_ylim: Optional[tuple] = None, threshold: Optional[float] = None):
-    """A run at a glance: :func:`plot_losses` beside :func:`plot_frozen`, on two axes (made
-    when ``axes`` is None); the chapters' sliders redraw this. ``title`` heads the loss panel,
-    ``frozen_title`` the other; ``loss_ylim`` bounds the loss axis. Returns the two axes.
-
-    Example: ``plot_run(run_experiment("quadratic", progress=False), title="bf16, lr 0.1")``."""
+    """:func:`plot_losses` beside :func:`plot_frozen` (what the chapters' sliders redraw);
+    ``title`` heads the loss panel, ``frozen_title`` the other. Returns the two axes."""
     if axes is None:
         _, axes = plt.subplots(1, 2, figsize=(12, 4))
     plot_losses(result, ax=axes[0], variants=variants, smooth=smooth, title=title)
@@ -162,11 +130,8 @@ BASELINE_STYLES = {"schedule": (PALETTE["purple"], (0, (5, 2)), "schedule rule (
 
 
 def plot_baselines(result, ax=None, threshold: Optional[float] = None, title: Optional[str] = None):
-    """The observed (round-to-nearest) frozen fraction against the prediction from the reference
-    run and every baseline of ``result.baselines``, each labelled with its mean absolute error
-    over the run and its freeze step.
-
-    Example: ``plot_baselines(result)``."""
+    """The observed (round-to-nearest) frozen fraction against the prediction and every baseline,
+    each labelled with its mean absolute error and its freeze step."""
     ax = _ax(ax)
     threshold = threshold or result.config.threshold
     errors = result.predictor_errors(threshold)
@@ -180,21 +145,16 @@ def plot_baselines(result, ax=None, threshold: Optional[float] = None, title: Op
         ax.plot(curve, color=color, ls=ls, lw=1.6,
                 label=f"{label}: error {e['mean_abs_error']:.3f}, step {e['freeze_step']}")
     ax.axhline(threshold, color="0.6", lw=0.8, ls=":")
-    ax.set_ylim(-0.02, 1.02)
-    ax.set_xlabel("step")
-    ax.set_ylabel("fraction of elements not moved")
-    ax.set_title(title or f"{result.experiment}, {result.format}: predictors against the observed freeze")
+    ax.set(ylim=(-0.02, 1.02), xlabel="step", ylabel="fraction of elements not moved",
+           title=title or f"{result.experiment}, {result.format}: predictors against the observed freeze")
     # six curves with their errors: the legend below the axes, in two columns, off the curves
     ax.legend(frameon=False, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=2)
     return ax
 
 
 def plot_element_agreement(result, ax=None, title: Optional[str] = None):
-    """Per step, the fraction of elements whose predicted and observed frozen states differ,
-    against the fraction two independent masks with the same frozen fractions would give, overall
-    and within each tensor and binade of the weights (when the result has it).
-
-    Example: ``plot_element_agreement(result)``."""
+    """Per step, the share of elements whose predicted and observed frozen states differ, against
+    what independent masks would give, overall and within each tensor and binade."""
     ax = _ax(ax)
     a = result.element_agreement()
     ax.plot(result.agreement["chance_mismatch"], color=PALETTE["grey"], lw=1.6, ls=(0, (5, 2)),
@@ -205,17 +165,14 @@ def plot_element_agreement(result, ax=None, title: Optional[str] = None):
     ax.plot(result.agreement["element_mismatch"], color=COLORS["predicted"], lw=1.6,
             label=f"prediction against observation (mean {a['element_mismatch']:.3f})")
     ax.set_ylim(bottom=0)
-    ax.set_xlabel("step")
-    ax.set_ylabel("fraction of elements that disagree")
-    ax.set_title(title or f"{result.experiment}, {result.format}: element by element")
+    ax.set(xlabel="step", ylabel="fraction of elements that disagree",
+           title=title or f"{result.experiment}, {result.format}: element by element")
     ax.legend(frameon=False, fontsize=8, loc="best")
     return ax
 
 
 def plot_evidence(result, axes=None, threshold: Optional[float] = None, title: Optional[str] = None):
-    """:func:`plot_baselines` and :func:`plot_element_agreement` side by side; returns the two axes.
-
-    Example: ``ax1, ax2 = plot_evidence(result)``."""
+    """:func:`plot_baselines` and :func:`plot_element_agreement` side by side; returns the two axes."""
     if axes is None:
         _, axes = plt.subplots(1, 2, figsize=(12, 4))
     plot_baselines(result, ax=axes[0], threshold=threshold, title=title)
@@ -225,12 +182,8 @@ def plot_evidence(result, axes=None, threshold: Optional[float] = None, title: O
 
 def plot_frozen_by_tensor(result, ax=None, names: Optional[List[str]] = None, max_tensors: int = 8,
                           observed: bool = True, threshold: Optional[float] = None):
-    """Predicted (wide, pale) and observed (thin) frozen fraction of individual tensors, each
-    labelled at its right end. A tensor keeps its colour and line style in every figure of the
-    same model (:func:`tensor_styles` over all the model's tensor names); leave room on the right
-    of the axes for the labels.
-
-    Example: ``plot_frozen_by_tensor(result, max_tensors=6)``."""
+    """Predicted (wide, pale) and observed (thin) frozen fraction of single tensors, labelled at
+    their right ends (leave room there); a tensor keeps its style in every figure of a model."""
     ax = _ax(ax)
     threshold = threshold or result.config.threshold
     pred = result.prediction
@@ -247,20 +200,15 @@ def plot_frozen_by_tensor(result, ax=None, names: Optional[List[str]] = None, ma
         if observed and obs is not None and obs.frozen and name in obs.frozen.by_tensor:
             ax.plot(obs.frozen.tensor_steps(name), obs.frozen.by_tensor[name], color=st["color"], ls=st["ls"],
                     lw=1.4, label="_observed " + name)
-    ax.set_ylim(-0.02, 1.02)
-    ax.set_xlabel("step")
-    ax.set_ylabel("frozen fraction")
-    ax.set_title("per tensor: predicted (wide, pale), observed (thin)")
+    ax.set(ylim=(-0.02, 1.02), xlabel="step", ylabel="frozen fraction",
+           title="per tensor: predicted (wide, pale), observed (thin)")
     label_lines(ax, fontsize=7, min_gap=0.045)
     return ax
 
 
 def plot_freeze_sweep(rows: Sequence[dict], ax=None, color_by: str = "man_bits", title: Optional[str] = None):
-    """Observed against predicted freeze step, one point per run (rows as returned by
-    :func:`lowprec_demo.experiments.sweep`), on the diagonal where the prediction holds; the
-    shaded band is the tolerance max(2 steps, 2 % of the run).
-
-    Example: ``plot_freeze_sweep(sweep("quadratic", man_bits=[3, 5, 7]))``."""
+    """Observed against predicted freeze step, one point per row of
+    :func:`~lowprec_demo.book.experiments.sweep`; the band is the tolerance max(2 steps, 2 %)."""
     ax = _ax(ax)
     pts = [r for r in rows if r.get("predicted") is not None and r.get("observed") is not None]
     if pts:
@@ -282,20 +230,14 @@ def plot_freeze_sweep(rows: Sequence[dict], ax=None, color_by: str = "man_bits",
     if missing:
         ax.text(0.02, 0.96, f"{len(missing)} run(s) without a freeze step", transform=ax.transAxes,
                 fontsize=8, va="top")
-    ax.set_xlabel("predicted freeze step (from the high-precision run)")
-    ax.set_ylabel("observed freeze step (round to nearest)")
-    ax.set_title(title or "freeze step: predicted vs observed")
+    ax.set(xlabel="predicted freeze step (from the high-precision run)",
+           ylabel="observed freeze step (round to nearest)", title=title or "freeze step: predicted vs observed")
     ax.legend(frameon=False, fontsize=8)
     return ax
 
 
 def grid_values(fmt, lo: float, hi: float) -> np.ndarray:
-    """All non-negative finite values of ``fmt`` in ``[lo, hi]`` (exact, from the definition).
-
-    Example:
-        >>> grid_values("e2m1", 0, 6).tolist()
-        [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
-    """
+    """Non-negative finite values of ``fmt`` in ``[lo, hi]``, ``"e2m1"`` in [0, 6]: 0, 0.5, 1, 1.5, 2, 3, 4, 6."""
     f = get_format(fmt)
     values = [0.0]
     values += [k * f.smallest_subnormal for k in range(1, 2**f.man_bits)]
@@ -314,9 +256,7 @@ def grid_values(fmt, lo: float, hi: float) -> np.ndarray:
 
 def plot_grid(fmt, lo: float = 0.0, hi: float = 4.0, ax=None, y: float = 0.0, color: Optional[str] = None,
               label: Optional[str] = None):
-    """The representable values of ``fmt`` between ``lo`` and ``hi`` as ticks on a number line.
-
-    Example: ``plot_grid("e4m3", 0, 8)``."""
+    """The representable values of ``fmt`` between ``lo`` and ``hi`` as ticks on a number line."""
     ax = _ax(ax)
     v = grid_values(fmt, lo, hi)
     f = get_format(fmt)
@@ -331,9 +271,7 @@ def plot_grid(fmt, lo: float = 0.0, hi: float = 4.0, ax=None, y: float = 0.0, co
 
 def plot_ulp(formats: Sequence, ax=None, lo: float = 1e-4, hi: float = 1e4, relative: bool = False):
     """ULP against magnitude (log-log) for several formats: a staircase doubling at every power
-    of two, flat below the smallest normal; ``relative=True`` plots ulp(w)/w instead.
-
-    Example: ``plot_ulp(["bf16", "fp16", "e4m3", "e5m2"])``."""
+    of two, flat below the smallest normal; ``relative=True`` plots ulp(w)/w."""
     ax = _ax(ax)
     w = np.geomspace(lo, hi, 4000)
     for i, name in enumerate(formats):
@@ -344,17 +282,13 @@ def plot_ulp(formats: Sequence, ax=None, lo: float = 1e-4, hi: float = 1e4, rela
         ax.plot(w[mask], u / w[mask] if relative else u, label=f.name, lw=1.6, **series_style(i))
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_xlabel("|w|")
-    ax.set_ylabel("ulp(w) / |w|" if relative else "ulp(w)")
+    ax.set(xlabel="|w|", ylabel="ulp(w) / |w|" if relative else "ulp(w)")
     ax.legend(frameon=False)
     return ax
 
 
 def plot_ratio_histogram(result, ax=None, fmt: Optional[str] = None):
-    """Distribution of ``log2(|update| / gap)`` over all elements and steps of the reference run;
-    the freeze threshold of round-to-nearest sits at -1 (half a gap).
-
-    Example: ``plot_ratio_histogram(result)``."""
+    """Distribution of ``log2(|d| / gap)`` over the reference's element-steps; RNE freezes left of -1 (half a gap)."""
     ax = _ax(ax)
     rec = result.predictions[get_format(fmt).name] if fmt else result.prediction
     counts = np.asarray(rec.ratio_histogram, dtype=float)
@@ -363,17 +297,16 @@ def plot_ratio_histogram(result, ax=None, fmt: Optional[str] = None):
     centers = np.array([RATIO_BINS[0] - 0.5] + [b - 0.5 for b in RATIO_BINS[1:]] + [RATIO_BINS[-1] + 0.5])
     ax.bar(centers, counts / counts.sum(), width=0.9, color=COLORS["predicted"])
     ax.axvline(-1, color=COLORS["nearest"], ls=(0, (5, 2)), lw=1.2, label="half a gap: nearest freezes left of it")
-    ax.set_xlabel("log2(|update| / gap)  (leftmost bar: zero updates and ratios below 2^-24)")
-    ax.set_ylabel("fraction of element-steps")
+    ax.set(xlabel="log2(|update| / gap)  (leftmost bar: zero updates and ratios below 2^-24)",
+           ylabel="fraction of element-steps")
     ax.legend(frameon=False, fontsize=8)
     return ax
 
 
 def plot_remedies(comparison, ax=None, relative: bool = False, title: Optional[str] = None, legend: bool = True):
-    """The remedies of a :class:`lowprec_demo.remedies.RemedyComparison`: final evaluation loss
-    minus the fp32 reference's (or, with ``relative``, over it) against the bytes each stores per
-    parameter, one point per remedy. Remedies that store the same bytes sit side by side around
-    their value; crosses mark those that keep round to nearest, the star the reference."""
+    """A :class:`~lowprec_demo.book.remedies.RemedyComparison`: each remedy's final evaluation
+    loss minus the fp32 reference's (``relative``: over it) against the bytes it stores per
+    parameter; crosses mark round to nearest, the star the reference."""
     ax = _ax(ax)
     rows = comparison.rows()
     key = "relative" if relative else "gap"
@@ -398,8 +331,8 @@ def plot_remedies(comparison, ax=None, relative: bool = False, title: Optional[s
         if not ticks or b - ticks[-1] >= 0.34:
             ticks.append(b)
     ax.set_xticks(ticks, [f"{b:g}" for b in ticks])
-    ax.set_xlabel("bytes stored per parameter (weights, optimizer state, buffers)")
-    ax.set_ylabel(f"final {comparison.metric} - fp32" + (" (relative)" if relative else ""))
+    ax.set(xlabel="bytes stored per parameter (weights, optimizer state, buffers)",
+           ylabel=f"final {comparison.metric} - fp32" + (" (relative)" if relative else ""))
     if relative:
         ax.yaxis.set_major_formatter(plt.matplotlib.ticker.PercentFormatter(1.0))
     if legend:

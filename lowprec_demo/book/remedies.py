@@ -1,25 +1,7 @@
-"""Remedies for the freeze, side by side, on one problem from one initialisation and the same batches.
-
-:func:`compare_remedies` trains an experiment's float32 reference (which predicts) and, in the
-experiment's format:
-
-* ``nearest``: round to nearest, the freeze;
-* ``stochastic``: exact stochastic rounding, and few-bit SR with ``k`` random bits (``sr{k}``),
-  which freezes again once ``|d|/gap`` falls below ``2**-(k+1)`` (the move probability resolved to
-  k bits rounds to 0), as the reference's few-bit prediction says beforehand;
-* ``kahan`` and ``kahan_lp``: Kahan compensation with the buffer in float32 or on the format's grid
-  (as torch-optimi keeps it in bf16);
-* ``master``: float32 master weights, the forward pass on the format's grid (mixed precision);
-* ``nearest_state`` and ``stochastic_state``: Adam's moments on the format's grid too;
-* ``plan``: a remedy only where the freeze watch on the reference run, after a quarter of it,
-  says one is needed (:class:`~lowprec_demo.freeze_plan.FreezePlan`);
-* ``floor``: round to nearest with the schedule's floor raised to ``floor_factor`` times the
-  learning-rate factor at the predicted freeze step (capped at the peak).
-
-Each row of :meth:`RemedyComparison.rows` gives the final evaluation loss minus the reference's,
-the bytes each setting stores per parameter (:func:`lowprec_demo.optimizer.bytes_per_parameter`),
-the step-time ratio from a benchmark result when one is given, and what the reference run
-predicted beside what the run did.
+"""The remedies for the freeze side by side, from one initialisation on the same batches:
+:func:`compare_remedies` trains the reference and every variant of the loop, few-bit stochastic rounding ``sr{k}``
+(which freezes again once ``|d|/gap < 2**-(k+1)``) and ``floor`` (round to nearest under a raised schedule floor);
+:meth:`RemedyComparison.rows` sets each one's final loss and bytes per parameter beside what the reference predicted.
 
 Example:
     >>> c = compare_remedies("quadratic", steps=40, fewbit=(4,), progress=False)
@@ -35,11 +17,11 @@ from typing import Dict, List, Optional, Sequence
 
 from lowprec_demo.book.config import VARIANTS, lr_factor
 from lowprec_demo.book.experiments import get_experiment, make_config
-from lowprec_demo.optim.plan import FreezePlan
-from lowprec_demo.freeze.prediction import freeze_step
 from lowprec_demo.book.results import TrainResult
-from lowprec_demo.rounding.core import decay_rounds_back
 from lowprec_demo.book.training import train_plan, train_variants
+from lowprec_demo.freeze import freeze_step
+from lowprec_demo.optim import FreezePlan
+from lowprec_demo.rounding import decay_rounds_back
 
 __all__ = ["compare_remedies", "RemedyComparison", "REMEDIES", "REMEDY_LABELS", "BENCH_VARIANT"]
 
@@ -48,11 +30,9 @@ REMEDY_LABELS = {
     "fp32": "fp32 (reference)", "nearest": "round to nearest", "stochastic": "stochastic rounding",
     "kahan": "Kahan, fp32 buffer", "kahan_lp": "Kahan, buffer in the format", "master": "fp32 master weights",
     "nearest_state": "nearest, Adam state in the format", "stochastic_state": "SR, Adam state in the format",
-    "floor": "nearest, lr floor",
-    "plan": "freeze plan",
+    "floor": "nearest, lr floor", "plan": "freeze plan",
 }
-# the benchmark variant whose step a remedy takes, where its name differs (the remedies of
-# REMEDIES have a benchmark variant of their own name; few-bit SR takes the stochastic kernel)
+# the benchmark variant whose step a remedy takes, where the names differ
 BENCH_VARIANT = {"fp32": "plain", "floor": "nearest", "sr": "stochastic"}
 
 
@@ -65,9 +45,8 @@ def _metric(result: TrainResult) -> str:
 
 @dataclass
 class RemedyComparison:
-    """The runs of :func:`compare_remedies`: ``main`` (the reference and every remedy of
-    :data:`REMEDIES`), ``fewbit`` (per k: a reference predicting k-bit SR and the k-bit SR run),
-    ``floor`` (the reference and nearest runs with the raised floor, ``floor_ratio``)."""
+    """Runs of :func:`compare_remedies`: ``main`` (reference and every remedy), ``fewbit`` (per k: a reference
+    predicting k-bit SR and the SR run), ``floor`` (reference and nearest under the floor ``floor_ratio``)."""
 
     main: TrainResult
     fewbit: Dict[int, TrainResult] = field(default_factory=dict)
@@ -76,7 +55,7 @@ class RemedyComparison:
 
     @property
     def metric(self) -> str:
-        """The evaluation compared (``val_loss``, ``test_loss``...)."""
+        """The evaluation compared (``val_loss``, ``test_loss`` ...)."""
         return _metric(self.main)
 
     @property
@@ -90,8 +69,7 @@ class RemedyComparison:
         return FreezePlan.from_dict(self.main.runs["reference"].plan)
 
     def plan_gap(self, plan: "FreezePlan") -> float:
-        """The final loss minus the reference's of the plan variant trained with ``plan`` instead
-        of the one the watch made (a control), from the same initialisation and batches."""
+        """Final loss minus the reference's of the variant trained with ``plan``, not the watch's (a control)."""
         config = self.main.config
         record = train_plan(get_experiment(self.main.experiment).build(config), config, plan)
         return float(record.final_eval[self.metric]) - self.reference_loss
@@ -104,39 +82,33 @@ class RemedyComparison:
         return self.final(self.main, "reference")
 
     def state_freezes(self) -> bool:
-        """Whether Adam's second moment cannot decay on the format's grid under round to nearest:
-        ``1 - beta2`` below half the format's relative gap, ``2**-(m+1)`` (then ``beta2 * v``
-        rounds back to ``v``)."""
+        """Whether Adam's second moment cannot decay on the format's grid under round to nearest
+        (``beta2 * v`` rounds back to ``v``: ``1 - beta2`` below ``2**-(m+1)``)."""
         cfg = self.main.config
         return cfg.optimizer != "sgd" and decay_rounds_back(cfg.betas[1], cfg.format)
 
     def moved(self, k: Optional[int] = None) -> tuple:
-        """(predicted, observed) fraction of elements stochastic rounding moves at each step: with
-        exact SR (``k=None``) or with ``k`` random bits. The prediction is the reference's
-        ``move_fraction`` (the mean move probability, resolved to k bits), the observation the
-        share of elements whose stored value changed."""
+        """(predicted, observed) share of elements stochastic rounding (exact, or with ``k`` random bits) moves at
+        each step: the reference's ``move_fraction``, and the share of elements whose stored value changed."""
         r = self.main if k is None else self.fewbit[k]
         return list(r.prediction.move_fraction), [1 - f for f in r.runs["stochastic"].frozen.overall]
 
     def moved_error(self, k: Optional[int] = None) -> float:
-        """The mean absolute difference between the predicted and the observed moved fraction over
-        the run (see :meth:`moved`)."""
+        """The mean absolute difference of :meth:`moved`'s two curves over the run."""
         pred, obs = self.moved(k)
         return sum(abs(a - b) for a, b in zip(pred, obs)) / len(obs)
 
     def stop_steps(self, k: Optional[int] = None) -> tuple:
-        """(predicted, observed) step from which stochastic rounding (exact, or with ``k`` random
-        bits) moves at most ``1 - threshold`` of the elements at every step: where it stops as
-        round to nearest does at its freeze step (None: not within the run)."""
+        """(predicted, observed) step from which stochastic rounding (exact, or with ``k`` bits) moves at most
+        ``1 - threshold`` of the elements: where it stops as round to nearest does (None: not within the run)."""
         pred, obs = self.moved(k)
         return (freeze_step([1 - m for m in pred], self.threshold), freeze_step([1 - m for m in obs], self.threshold))
 
     def rows(self, bench: Optional[dict] = None) -> List[dict]:
         """One dict per remedy: ``remedy``, ``label``, ``loss``, ``gap`` (minus the reference's),
-        ``relative`` (the gap over the reference's loss),
-        ``bytes`` (per parameter), ``time`` (step-time ratio from ``bench``, a training entry of
-        :func:`bench.run` for this model, when given), ``predicted`` and ``observed``
-        (what the reference said beforehand and what the run did, in words)."""
+        ``relative`` (over it), ``bytes`` (per parameter), ``time`` (the step-time ratio from
+        ``bench``, a training entry of the benchmark's JSON for this model, when given),
+        ``predicted`` and ``observed`` (what the reference said beforehand, what the run did)."""
         ref = self.reference_loss
         main = self.main
         rows = []
@@ -193,22 +165,19 @@ class RemedyComparison:
 
 
 def floor_ratio(result: TrainResult, factor: float = 2.0) -> Optional[float]:
-    """The schedule floor (a fraction of the peak learning rate) held ``factor`` times above the
-    learning-rate factor at the predicted freeze step, capped at 1; None when nothing freezes or
-    the schedule has no floor (``min_lr_ratio`` is the floor of ``cosine`` and ``wsd``)."""
+    """The schedule floor (a fraction of the peak) ``factor`` times the LR factor at the predicted freeze step, at most
+    1; None if nothing freezes or the schedule has no floor (``min_lr_ratio`` of ``cosine`` and ``wsd``)."""
     step = result.predicted_freeze_step()
-    if step is None or result.config.schedule not in ("cosine", "wsd"):   # the schedules with a floor
+    if step is None or result.config.schedule not in ("cosine", "wsd"):
         return None
     return min(1.0, factor * lr_factor(step, result.config))
 
 
 def compare_remedies(experiment: str, remedies: Sequence[str] = REMEDIES, fewbit: Sequence[int] = (2, 4, 6, 8),
                      floor_factor: Optional[float] = 2.0, progress: bool = True, **overrides) -> RemedyComparison:
-    """Train ``experiment`` (its defaults, with ``overrides`` as for
-    :func:`~lowprec_demo.experiments.run_experiment`) with every remedy of ``remedies``, few-bit SR
-    with each k of ``fewbit``, and (unless ``floor_factor`` is None) round to nearest under a raised
-    schedule floor (:func:`floor_ratio`). All runs start from one initialisation on the same
-    batches. Example: see the module docstring."""
+    """Train ``experiment`` (``overrides`` as for :func:`~lowprec_demo.book.experiments.run_experiment`) with every
+    remedy of ``remedies``, few-bit SR with each k of ``fewbit`` and, unless ``floor_factor`` is None, round to
+    nearest under a raised floor (:func:`floor_ratio`), all from one initialisation on the same batches."""
     unknown = [r for r in remedies if r not in REMEDIES]
     if unknown:
         raise ValueError(f"remedies must be drawn from {', '.join(REMEDIES)}; got {unknown}")

@@ -1,22 +1,7 @@
-"""What a run produced and where it came from: :class:`RunRecord` (one variant's run) and
-:class:`TrainResult` (every variant, the prediction, the baselines and the element-level
-agreement), their JSON files (written atomically by :func:`atomic_write_json`), the
-:func:`provenance` a result carries, and the stored full-scale results under ``book/results/``.
-
-Stored results: JSON files under ``book/results/``, loaded when present.
-
-A full-scale run needs a GPU, so its result is written by the command line (or
-``tools/gpu_check.sh``) and committed as ``book/results/NAME.json``; a chapter loads it with
-:func:`load_result` and plots it next to the quick run it executes live. Nothing is made up: when
-the file is absent, :func:`load_result` returns None and the chapter says so.
-
-Where the folder is looked for, in order: ``$LOWPREC_RESULTS_DIR``; ``results/`` in the current
-directory (a chapter runs in ``book/``); ``book/results/`` in the current directory; and
-``book/results/`` next to the package (a checkout of the repository).
-
-Example:
-    >>> result = load_result("nanogpt_bf16_full")   # None when no such result is stored
-"""
+"""What a run produced and where it came from: :class:`RunRecord`, :class:`TrainResult`, their JSON
+and :func:`provenance`; and stored full-scale results, ``book/results/NAME.json`` written by
+the CLI on a GPU, read by :func:`load_result` (None if absent) from
+``$LOWPREC_RESULTS_DIR``, ``results/`` or ``book/results/`` here, or the checkout's."""
 
 from __future__ import annotations
 
@@ -26,7 +11,6 @@ import math
 import os
 import platform
 import subprocess
-import tempfile
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -35,9 +19,9 @@ from typing import Dict, List, Optional
 import torch
 
 from lowprec_demo.book.config import TrainConfig
-from lowprec_demo.formats import get_format
-from lowprec_demo.freeze.prediction import FreezeRecord, freeze_step, steps_agree
 from lowprec_demo.common.output import atomic_write_json
+from lowprec_demo.formats import get_format
+from lowprec_demo.freeze import FreezeRecord, freeze_step, steps_agree
 from lowprec_demo.version import __version__
 
 __all__ = ["RunRecord", "TrainResult", "evidence_table", "atomic_write_json", "git_commit", "provenance",
@@ -46,16 +30,17 @@ __all__ = ["RunRecord", "TrainResult", "evidence_table", "atomic_write_json", "g
 
 @dataclass
 class RunRecord:
-    """One variant's run: per-step training loss, evaluations, and (low precision) freezing."""
+    """One variant's run: per-step loss and learning rate, evaluations, and for a low-precision
+    run its observed freezing and the bytes it stored per parameter."""
 
     variant: str
     loss: List[float] = field(default_factory=list)
     lr: List[float] = field(default_factory=list)
-    evals: List[dict] = field(default_factory=list)      # {"step": t, "metric": value, ...}
-    frozen: Optional[FreezeRecord] = None               # observed, low-precision variants only
+    evals: List[dict] = field(default_factory=list)        # {"step": t, "metric": value, ...}
+    frozen: Optional[FreezeRecord] = None
     seconds: float = 0.0
-    bytes_per_param: dict = field(default_factory=dict)   # optimizer.bytes_per_parameter at the end
-    plan: Optional[dict] = None                          # the reference's freeze plan (FreezePlan.to_dict)
+    bytes_per_param: dict = field(default_factory=dict)    # bytes_per_parameter at the end
+    plan: Optional[dict] = None                            # the reference's FreezePlan.to_dict()
 
     @property
     def final_eval(self) -> dict:
@@ -82,8 +67,7 @@ class RunRecord:
 
 
 def _thin(record: dict, max_points: int) -> dict:
-    """Keep per-tensor curves at most ``max_points`` long (for small JSON files); the overall
-    curve is kept whole."""
+    """Per-tensor curves thinned to at most ``max_points`` steps; the overall curve stays whole."""
     if not max_points:
         return record
     out = dict(record)
@@ -100,15 +84,11 @@ def _thin(record: dict, max_points: int) -> dict:
 
 @dataclass
 class TrainResult:
-    """Everything a run produced: config, provenance, runs, and the prediction per format.
-
-    ``baselines`` maps each baseline predictor of the main format (``"schedule"``,
-    ``"schedule_fitted"``, ``"always"``, ``"never"``; see :mod:`lowprec_demo.prediction`) to its
-    per-step frozen fraction, as long as the prediction; ``agreement`` holds, per step of the
-    round-to-nearest run, ``element_mismatch`` (the fraction of elements whose predicted and
-    observed frozen states differ), ``chance_mismatch`` (what independent masks with the same two
-    fractions would give) and ``stratified_chance_mismatch`` (independent masks within each tensor
-    and binade of the weights, :func:`~lowprec_demo.agreement.stratified_chance_mismatch`)."""
+    """Everything a run produced: config, provenance, runs, the prediction per format, ``baselines``
+    (per-step frozen fractions of predictors that never look at the reference trajectory:
+    ``schedule``, ``schedule_fitted``, ``always``, ``never``) and ``agreement`` (per step:
+    ``element_mismatch``, the share of elements whose predicted and observed states differ; ``chance_mismatch`` and
+    ``stratified_chance_mismatch``, what independent masks would give, overall and within each tensor and binade)."""
 
     experiment: str
     config: TrainConfig
@@ -119,14 +99,12 @@ class TrainResult:
     baselines: Dict[str, List[float]] = field(default_factory=dict)
     agreement: Dict[str, List[float]] = field(default_factory=dict)
 
-    # --- the numbers the book talks about -----------------------------------------------------
     @property
     def format(self) -> str:
         return get_format(self.config.format).name
 
     @property
-    def prediction(self) -> FreezeRecord:
-        """The prediction for the main format."""
+    def prediction(self) -> FreezeRecord:   # the main format's
         return self.predictions[self.format]
 
     def predicted_freeze_step(self, threshold: Optional[float] = None) -> Optional[int]:
@@ -137,33 +115,20 @@ class TrainResult:
         return run.frozen.freeze_step(threshold or self.config.threshold) if run.frozen else None
 
     def freeze_steps_agree(self, threshold: Optional[float] = None) -> bool:
-        """Whether the predicted and observed (nearest) freeze steps agree within max(2 steps,
-        2 % of the run), by :func:`~lowprec_demo.prediction.steps_agree`: also True when neither
-        reaches the threshold within the run (nothing freezes, as predicted), False when only
-        one does. To count only runs where something froze, use :meth:`froze_as_predicted`.
-
-        Example: ``run_experiment("quadratic", steps=300, progress=False).freeze_steps_agree()``
-        -> ``True``."""
+        """Whether predicted and observed (nearest) freeze steps agree within max(2 steps, 2 % of the run)
+        (:func:`lowprec_demo.freeze.steps_agree`); True if neither reaches the threshold, False if only one does."""
         return steps_agree(self.predicted_freeze_step(threshold), self.observed_freeze_step("nearest", threshold),
                            self.config.steps)
 
     def froze_as_predicted(self, threshold: Optional[float] = None) -> bool:
-        """Whether the round-to-nearest run froze, and at the step the reference run predicted:
-        both freeze steps exist and :meth:`freeze_steps_agree` holds. Unlike that method, False
-        when nothing freezes, so that a check or a tally of it counts only runs with a freeze.
-
-        Example: ``run_experiment("quadratic", steps=300, progress=False).froze_as_predicted()``
-        -> ``True``."""
+        """Whether the round-to-nearest run froze at the predicted step: as :meth:`freeze_steps_agree`, but False when
+        nothing freezes, so a tally counts only runs with a freeze."""
         return self.predicted_freeze_step(threshold) is not None and self.freeze_steps_agree(threshold)
 
     def predictor_errors(self, threshold: Optional[float] = None) -> Dict[str, dict]:
-        """How far each predictor is from the observed (round-to-nearest) frozen fraction: the
-        reference run's prediction (``"fp32"``) and every baseline, each with
-        ``mean_abs_error`` (mean over the run of ``abs(F_predicted - F_observed)``), ``freeze_step``,
-        ``step_error`` (its freeze step minus the observed one; None unless both exist) and
-        ``agrees`` (:func:`~lowprec_demo.prediction.steps_agree` with the observed step).
-
-        Example: ``run_experiment("quadratic", steps=300, progress=False).predictor_errors()["fp32"]``."""
+        """How far each predictor, the reference's prediction (``"fp32"``) and every baseline, is from the observed
+        (round-to-nearest) frozen fraction: ``mean_abs_error`` (over the run), ``freeze_step``, ``step_error`` (minus
+        the observed step; None unless both exist) and ``agrees`` (:func:`lowprec_demo.freeze.steps_agree`)."""
         threshold = threshold or self.config.threshold
         observed = self.runs["nearest"].frozen.overall
         obs_step = freeze_step(observed, threshold)
@@ -178,12 +143,9 @@ class TrainResult:
         return out
 
     def is_decisive(self, threshold: Optional[float] = None) -> bool:
-        """Whether this run can tell the prediction from the baselines: the round-to-nearest run
-        froze, not in the first or last 5 % of the run, and no baseline of ``baselines`` puts
-        its freeze step within the tolerance of the observed one. Tallies of agreement count
-        only such runs (where any predictor would agree, agreement shows nothing).
-
-        Example: ``run_experiment("quadratic", steps=300, progress=False).is_decisive()`` -> ``True``."""
+        """Whether this run can tell the prediction from the baselines: the round-to-nearest run froze, not in the
+        first or last 5 % of the run, and no baseline agrees with its step. Tallies of agreement count only such runs
+        (where any predictor agrees, agreement shows nothing)."""
         threshold = threshold or self.config.threshold
         observed = self.observed_freeze_step("nearest", threshold)
         T = self.config.steps
@@ -193,29 +155,21 @@ class TrainResult:
         return not any(errors[name]["agrees"] for name in self.baselines)
 
     def element_agreement(self) -> dict:
-        """The element-level agreement over the run: the mean per-step ``element_mismatch`` and
-        ``chance_mismatch`` (see the class docstring), and ``ratio``, the first over the second
-        (0: the masks agree everywhere; 1: no better than chance).
-
-        Example: ``run_experiment("quadratic", steps=300, progress=False).element_agreement()["ratio"] < 0.5``."""
+        """The run's means of the per-step mismatches (see the class docstring), and ``ratio``, element over chance
+        mismatch (0: masks agree everywhere; 1: no better than chance), ``stratified_ratio`` likewise."""
         if not self.agreement:
             raise ValueError("no element-level agreement in this result (it needs a reference and a nearest run)")
         mean = lambda key: (sum(self.agreement[key]) / len(self.agreement[key])
-                            if self.agreement.get(key) else math.nan)   # results stored before it: NaN
+                            if self.agreement.get(key) else math.nan)   # a key a stored result lacks: NaN
         m, c, s = mean("element_mismatch"), mean("chance_mismatch"), mean("stratified_chance_mismatch")
         return {"element_mismatch": m, "chance_mismatch": c, "ratio": m / c if c > 0 else math.nan,
                 "stratified_chance_mismatch": s, "stratified_ratio": m / s if s > 0 else math.nan}
 
     def loss_falls(self, step: Optional[int] = None, window: Optional[int] = None) -> dict:
-        """How far each run's training loss falls before and after ``step`` (default: the predicted
-        freeze step), from means over windows of ``window`` steps (default: a tenth of the run):
-        ``before`` from the end of the warmup to the step, ``after`` from the step to the end of
-        the run, by variant, each with its window (shortened to half the span when the span is
-        shorter than two windows; None when that leaves under 2 steps). The runs see the same
-        batches, so their falls compare like with like.
-
-        Example: ``result.loss_falls()["after"]["reference"]`` -> nats the fp32 run still gains
-        after the predicted wall."""
+        """How far each run's loss falls ``before`` ``step`` (default: the predicted freeze step, from the end of the
+        warmup) and ``after`` it (to the end), by variant, from means over windows of ``window`` steps (default a
+        tenth of the run; at most half the span, None under 2 steps). E.g. ``loss_falls()["after"]["reference"]``:
+        what fp32 still gains after the wall."""
         T, W = self.config.steps, min(self.config.warmup_steps, self.config.steps)
         step = self.predicted_freeze_step() if step is None else step
         out = {"step": step, "before": None, "after": None, "window_before": None, "window_after": None}
@@ -236,9 +190,7 @@ class TrainResult:
 
     def final_loss(self, variant: str, window: int = 0) -> float:
         """The last training loss (or the mean of the last ``window`` losses)."""
-        losses = self.runs[variant].loss
-        window = window or 1
-        tail = losses[-window:]
+        tail = self.runs[variant].loss[-(window or 1):]
         return sum(tail) / len(tail)
 
     def summary(self) -> dict:
@@ -251,11 +203,9 @@ class TrainResult:
             s[f"final_loss_{v}"] = float(f"{run.loss[-1]:.4g}")
         return s
 
-    # --- serialisation --------------------------------------------------------------------
     def to_dict(self, max_points: int = 0) -> dict:
-        """The JSON layout of the command line (see README): experiment, config, provenance,
-        runs (loss; frozen_observed for low precision), prediction (main format) and
-        predictions (every format)."""
+        """The JSON layout of the command line: experiment, config, provenance, runs, prediction
+        (main format, with its baselines), agreement and predictions (every format)."""
         threshold = self.config.threshold
         main = self.prediction
         return {
@@ -280,10 +230,9 @@ class TrainResult:
     @classmethod
     def from_dict(cls, d: dict) -> "TrainResult":
         cfg = dict(d["config"])
-        cfg["betas"] = tuple(cfg.get("betas", (0.9, 0.999)))
-        cfg["predict_formats"] = tuple(cfg.get("predict_formats", ()))
-        cfg["step_milestones"] = tuple(cfg.get("step_milestones", (0.5, 0.75)))
-        cfg["variants"] = tuple(cfg.get("variants", ()))
+        for key, default in (("betas", (0.9, 0.999)), ("predict_formats", ()), ("step_milestones", (0.5, 0.75)),
+                             ("variants", ())):
+            cfg[key] = tuple(cfg.get(key, default))
         config = TrainConfig(**{k: v for k, v in cfg.items() if k in {f.name for f in dataclasses.fields(TrainConfig)}})
         runs = {v: RunRecord.from_dict(v, r) for v, r in d["runs"].items()}
         preds = {name: FreezeRecord.from_dict(r) for name, r in d["predictions"].items()}
@@ -302,11 +251,9 @@ class TrainResult:
 
 
 def evidence_table(cases: Dict[str, "TrainResult"], threshold: Optional[float] = None) -> str:
-    """One line per run: the observed freeze step; the freeze step and mean error
-    (``abs(F - F_observed)`` over the run) of the prediction and of every baseline; the element-level
-    mismatch against chance; and whether the run is decisive (no baseline agrees).
-
-    Example: ``print(evidence_table({"bf16": result}))``."""
+    """One line per run: the observed freeze step; the freeze step and mean error of the
+    prediction and of every baseline; the element mismatch against chance; whether the run is
+    decisive. E.g. ``print(evidence_table({"bf16": result}))``."""
     lines = []
     for label, r in cases.items():
         errors, a = r.predictor_errors(threshold), r.element_agreement()
@@ -321,8 +268,7 @@ def evidence_table(cases: Dict[str, "TrainResult"], threshold: Optional[float] =
 
 
 def git_commit() -> Optional[str]:
-    """The checkout's commit (with ``-dirty`` for uncommitted changes); where there is no git
-    repository (a copied working tree), ``$LOWPREC_GIT_COMMIT`` if set."""
+    """The git commit (``-dirty`` with uncommitted changes); outside a checkout, ``$LOWPREC_GIT_COMMIT`` if set."""
     here = Path(__file__).resolve().parent
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
@@ -336,8 +282,7 @@ def git_commit() -> Optional[str]:
 
 
 def cpuinfo() -> Dict[str, str]:
-    """The fields ``/proc/cpuinfo`` gives for the first processor, as strings (empty where there
-    is no such file). Example: ``cpuinfo()["model name"]`` -> ``"AMD EPYC"``."""
+    """The fields ``/proc/cpuinfo`` gives for the first processor (empty without that file)."""
     fields: Dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
@@ -351,48 +296,28 @@ def cpuinfo() -> Dict[str, str]:
     return fields
 
 
-def _cpu_model() -> str:
-    """The CPU's model name (from /proc/cpuinfo where there is one), else what platform says."""
-    return cpuinfo().get("model name") or platform.processor() or platform.machine() or "cpu"
-
-
 def provenance(device: str) -> dict:
-    """Where a result came from: package and torch versions, device (the GPU's or the CPU's
-    model), git commit, date. Example: ``provenance("cpu")["device_name"]`` -> ``"AMD EPYC"``."""
+    """Provenance: package, torch and Python versions, device and its model, git commit, date, platform."""
     dev = torch.device(device)
     if dev.type == "cuda":
         name = torch.cuda.get_device_name(dev)
     else:
-        name = _cpu_model()
-    return {
-        "package_version": __version__,
-        "torch_version": torch.__version__,
-        "python_version": platform.python_version(),
-        "device": str(dev),
-        "device_name": name,
-        "git_commit": git_commit(),
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "hostname_platform": platform.platform(),
-    }
+        name = cpuinfo().get("model name") or platform.processor() or platform.machine() or "cpu"
+    return {"package_version": __version__, "torch_version": torch.__version__,
+            "python_version": platform.python_version(), "device": str(dev), "device_name": name,
+            "git_commit": git_commit(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "hostname_platform": platform.platform()}
 
 
 def results_dir() -> Optional[Path]:
-    """The folder of stored results (see the module docstring), or None when there is none.
-
-    Example: ``results_dir()`` -> ``PosixPath('results')`` inside ``book/``."""
-    candidates = []
-    if os.environ.get("LOWPREC_RESULTS_DIR"):
-        candidates.append(Path(os.environ["LOWPREC_RESULTS_DIR"]).expanduser())
-    candidates += [Path("results"), Path("book") / "results",
-                   Path(__file__).resolve().parents[2] / "book" / "results"]
+    """The folder of stored results (see the module docstring), or None."""
+    candidates = [Path(os.environ["LOWPREC_RESULTS_DIR"]).expanduser()] if os.environ.get("LOWPREC_RESULTS_DIR") else []
+    candidates += [Path("results"), Path("book") / "results", Path(__file__).resolve().parents[2] / "book" / "results"]
     return next((c for c in candidates if c.is_dir()), None)
 
 
 def load_result(name: str, folder=None) -> Optional[TrainResult]:
-    """The stored result ``NAME.json`` as a :class:`~lowprec_demo.training.TrainResult`, or None
-    when it is not there.
-
-    Example: ``load_result("gpt2_e4m3_full")``."""
+    """The stored result ``NAME.json`` as a :class:`TrainResult`, or None when it is not there."""
     folder = Path(folder) if folder is not None else results_dir()
     if folder is None:
         return None
@@ -401,9 +326,7 @@ def load_result(name: str, folder=None) -> Optional[TrainResult]:
 
 
 def stored_results(prefix: str = "", folder=None) -> Dict[str, TrainResult]:
-    """Every stored result whose file name starts with ``prefix``, by name (without ``.json``).
-
-    Example: ``sorted(stored_results("nanogpt_"))``."""
+    """Every stored result whose file name starts with ``prefix``, by name (without ``.json``)."""
     folder = Path(folder) if folder is not None else results_dir()
     if folder is None:
         return {}
@@ -411,10 +334,7 @@ def stored_results(prefix: str = "", folder=None) -> Dict[str, TrainResult]:
 
 
 def describe(result: TrainResult) -> str:
-    """One line saying where a stored result came from: device, date, commit, torch version,
-    and the size of the run.
-
-    Example: ``describe(result)`` -> ``"NVIDIA H200, 2026-11-30, commit 1a2b3c4, torch 2.11.0; 1200 steps"``."""
+    """One line saying where a stored result came from: device, date, commit, torch version, steps and seed."""
     p = result.provenance or {}
     commit = p.get("git_commit") or "unknown"
     commit = commit[:7] + (" (with uncommitted changes)" if commit.endswith("-dirty") else "")

@@ -1,15 +1,10 @@
-"""The few things every chapter's first cell needs: quick/full scale, device, seeds, progress bars.
-
-Example:
-    >>> scale() in SCALES
-    True
-"""
+"""What every chapter's first cell needs: the quick or full scale, the device, seeds, progress bars."""
 
 from __future__ import annotations
 
 import os
 import random
-from typing import Iterable, Optional
+from typing import Optional
 
 import torch
 
@@ -22,8 +17,7 @@ DEVICES = ("auto", "cpu", "cuda")
 
 
 def scale(value: Optional[str] = None) -> str:
-    """The run size: ``value`` if given, else the environment variable ``LOWPREC_SCALE``, else
-    ``"quick"`` (a chapter in about a minute on a laptop CPU). ``"full"`` is the size for a GPU.
+    """The run size: ``value``, else ``$LOWPREC_SCALE``, else ``"quick"`` (a laptop CPU; ``"full"``: a GPU).
 
     Example:
         >>> scale("full")
@@ -42,17 +36,9 @@ def by_scale(quick, full, value: Optional[str] = None):
 
 
 def pick_device(preference: str = "auto") -> str:
-    """``"cuda"`` when asked for (or ``"auto"`` and a GPU is present), else ``"cpu"``.
-
-    Example:
-        >>> pick_device("cpu")
-        'cpu'
-    """
+    """``"cuda"`` when asked for (or ``"auto"`` with a GPU present), else ``"cpu"``. E.g. ``pick_device("cpu")``."""
     pref = str(preference).strip().lower()
-    if pref.startswith("cuda:"):
-        pref_base = "cuda"
-    else:
-        pref_base = pref
+    pref_base = "cuda" if pref.startswith("cuda:") else pref
     if pref_base not in DEVICES:
         raise ValueError(f"device must be one of {', '.join(DEVICES)} (or cuda:N); got {preference!r}")
     if pref_base == "cuda" and not torch.cuda.is_available():
@@ -63,11 +49,11 @@ def pick_device(preference: str = "auto") -> str:
 
 
 def seed_everything(seed: int) -> None:
-    """Seed Python's, torch's (CPU and CUDA) random generators. Example: ``seed_everything(0)``."""
+    """Seed Python's, torch's (CPU and CUDA) and numpy's random generators."""
     random.seed(seed)
     torch.manual_seed(seed)
     try:
         import numpy as np
         np.random.seed(seed % 2**32)
-    except ImportError:  # numpy is optional for the package core
+    except ImportError:
         pass

@@ -1,46 +1,12 @@
-"""One training loop for every chapter.
-
-``train_variants`` trains, from the same initialisation and on the same batches:
-
-* ``"reference"``: float32 (or float64) weights, with a :class:`FreezePredictor` predicting, for
-  one or several formats, which elements would freeze;
-* ``"nearest"``: stored weights on the format's grid, round to nearest, with a
-  :class:`FreezeObserver` recording which elements really froze;
-* ``"stochastic"``: the same with stochastic rounding;
-* ``"kahan"``: nearest rounding with Kahan compensation, the buffer in float32 (optional);
-
-and the other remedies of :func:`variant_wrapper` (optional): ``"kahan_lp"`` (the Kahan buffer on
-the format's grid too), ``"master"`` (float32 master weights, the forward pass on the format's
-grid), ``"nearest_state"`` and ``"stochastic_state"`` (the optimizer's state on the format's grid
-too, rounded like the weights).
-
-An experiment describes itself as a :class:`Task` (model, batches, loss, evaluation); the loop
-owns the optimizer, the learning-rate schedule, rounding, tracking and progress bars, and returns
-a :class:`TrainResult` that the plotting helpers and the command line take. ``train_formats`` runs
-one reference for several formats at once (the reference predicts them all).
-
-The reference and the round-to-nearest runs are stepped in lockstep (the same step of each, in
-turn), so that the predicted and observed frozen masks of every step are compared element by
-element without keeping either beyond the step (``TrainResult.agreement``); the result is the
-same as running them one after the other. Beside the prediction, the result holds baselines
-that do not use the reference trajectory (``TrainResult.baselines``): the schedule rule, and
-the trivial "always frozen" and "never frozen".
-
-Under ``torchrun --nproc_per_node=N`` the same functions train data-parallel: each process a
-replica on its share of every batch, gradients averaged (DistributedDataParallel), stochastic
-rounding seeded alike everywhere so the replicas stay bit-identical; with ``parallel="fsdp"``
-each process holds a shard of every parameter instead (FSDP2's ``fully_shard``), rounded with
-the whole tensor's random bits (:mod:`lowprec_demo.sharding`), and the trackers compare the
-whole tensors, gathered at every step.
-
-The configuration lives in :mod:`lowprec_demo.config`, the results in
-:mod:`lowprec_demo.results`, data parallelism in :mod:`lowprec_demo.distributed`;
-``run_formats`` (a named experiment through ``train_formats``) in :mod:`lowprec_demo.experiments`.
+"""One training loop for every chapter: :func:`train_variants` trains the reference (a :class:`FreezePredictor`
+predicting which elements would freeze) and the low-precision variants (:func:`variant_wrapper`, each with a
+:class:`FreezeObserver`) of a :class:`Task` from one initialisation on the same batches, the reference and round to
+nearest in lockstep so that their masks are compared element by element at every step. Under ``torchrun`` it trains
+data-parallel (DDP, replicas kept bit-identical) or sharded (``parallel="fsdp"``, whole tensors compared).
 
 Example:
-    >>> from lowprec_demo.experiments import run_experiment
-    >>> result = run_experiment("quadratic", fmt="bf16", steps=50, progress=False)
-    >>> sorted(result.runs)
+    >>> from lowprec_demo.book.experiments import run_experiment
+    >>> sorted(run_experiment("quadratic", fmt="bf16", steps=50, progress=False).runs)
     ['nearest', 'reference', 'stochastic']
 """
 
@@ -55,24 +21,21 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 import torch
 
 from lowprec_demo.book.config import VARIANTS, TrainConfig, lr_factor
-from lowprec_demo.book.distributed import (DataParallel, Distributed, init_distributed, mean_over_ranks, replicas_identical, shard_model, whole_tensors)
-from lowprec_demo.formats import get_format
-from lowprec_demo.optim.plan import FreezePlan
-from lowprec_demo.optim.optimizer import LowPrecisionOptimizer, bytes_per_parameter, select_params
-from lowprec_demo.freeze.agreement import mask_mismatch, stratified_chance_mismatch
-from lowprec_demo.freeze.prediction import FreezeObserver, FreezePredictor
+from lowprec_demo.book.distributed import (DataParallel, Distributed, init_distributed, mean_over_ranks,
+                                           replicas_identical, shard_model, whole_tensors)
 from lowprec_demo.book.results import RunRecord, TrainResult, provenance
 from lowprec_demo.book.runtime import pick_device, progress_bar
-from lowprec_demo.monitor.freeze_watch import FreezeWatch
+from lowprec_demo.formats import get_format
+from lowprec_demo.freeze import FreezeObserver, FreezePredictor, mask_mismatch, stratified_chance_mismatch
+from lowprec_demo.monitor import FreezeWatch
+from lowprec_demo.optim import FreezePlan, LowPrecisionOptimizer, bytes_per_parameter, select_params
 
-__all__ = ["Task", "train_variants", "train_formats", "train_plan", "plan_step", "Variants", "variant_wrapper", "fit_steps"]
+__all__ = ["Task", "train_variants", "train_formats", "train_plan", "plan_step", "Variants", "variant_wrapper",
+           "fit_steps"]
 
 
 def variant_wrapper(variant: str, fmt: str) -> dict:
-    """The :class:`LowPrecisionOptimizer` keyword arguments of a low-precision variant in format
-    ``fmt``: ``nearest``, ``stochastic``, ``kahan`` (float32 buffer), ``kahan_lp`` (the buffer on
-    ``fmt``'s grid), ``master`` (float32 master weights), ``nearest_state`` and
-    ``stochastic_state`` (the optimizer's state on ``fmt``'s grid, rounded like the weights).
+    """The :class:`LowPrecisionOptimizer` keyword arguments of a low-precision variant in format ``fmt``.
 
     Example:
         >>> variant_wrapper("kahan_lp", "bf16")
@@ -95,21 +58,9 @@ def variant_wrapper(variant: str, fmt: str) -> dict:
 
 @dataclass
 class Task:
-    """What an experiment provides to the training loop.
-
-    Attributes:
-        make_model: ``f(generator) -> nn.Module`` building the model with a seeded initialisation
-            (float32, on the CPU; the loop moves it).
-        batch: ``f(step) -> batch`` (tensors on the device), the same for every variant.
-        loss: ``f(model, batch) -> scalar tensor``.
-        evaluate: optional ``f(model) -> dict of floats`` (e.g. validation loss, accuracy).
-        param_groups: optional ``f(model, config) -> list of dicts`` for the optimizer (e.g. weight
-            decay only on matrices); default: one group.
-        shard: optional ``f(batch, rank, world_size) -> this process's share of the batch`` for
-            data-parallel training under torchrun (e.g. an equal block of rows); without it every
-            process computes the loss of the whole batch (correct, but no faster).
-        description: one line for the output, e.g. which data was used.
-    """
+    """What an experiment gives the loop: ``make_model(generator)`` (float32, CPU), ``batch(step)``,
+    ``loss(model, batch)``, and optionally ``evaluate(model) -> {metric: float}``, ``param_groups(model, config)``,
+    ``shard(batch, rank, world_size)`` (this process's share under torchrun) and a one-line ``description``."""
 
     make_model: Callable[[torch.Generator], torch.nn.Module]
     batch: Callable[[int], Any]
@@ -137,36 +88,30 @@ def lowprec_named_params(model: torch.nn.Module, config: TrainConfig) -> Dict[st
     return {n: p for n, p in model.named_parameters() if id(p) in chosen}
 
 
-# ------------------------------------------------------------------------------------------------
-# The loop
-# ------------------------------------------------------------------------------------------------
 def _run_steps(variant: str, model: torch.nn.Module, task: Task, config: TrainConfig, device: str,
                predictor_formats: Sequence[str], progress: bool, dist_info: Distributed = Distributed(),
                keep_masks: bool = False, position: Optional[int] = None, plan: Optional[FreezePlan] = None,
                plan_at: Optional[int] = None):
-    """One variant's run, as a generator: yields its tracker after every step (masks included
-    with ``keep_masks``) and returns ``(record, predictor, model)``. The reference with
-    ``plan_at=k``: a freeze watch makes a plan after step k - 1 (``record.plan``); the ``"plan"``
-    variant stores its weights with ``plan``."""
+    """One variant's run as a generator: yields its tracker after every step and returns
+    ``(record, predictor, model)``. With ``plan_at=k`` the reference's freeze watch makes a plan
+    after step k - 1 (``record.plan``); the ``"plan"`` variant stores its weights with ``plan``."""
     dtype = torch.float64 if (variant == "reference" and config.reference_dtype == "float64") else torch.float32
     model = model.to(device=device, dtype=dtype)
     net = model
     sharded = dist_info.enabled and config.parallel == "fsdp"
-    if sharded:             # FSDP2: each process a shard of every parameter, gradients averaged
+    if sharded:
         net = model = shard_model(model)
-    elif dist_info.enabled:   # gradients are averaged over processes, each on its share of the batch
+    elif dist_info.enabled:
         net = DataParallel(model, device_ids=[dist_info.local_rank] if device.startswith("cuda") else None)
     opt = make_optimizer(model, task, config)
     tracked = lowprec_named_params(model, config)
-    # the trackers compare whole tensors: gathered from the shards at every step under FSDP2
     source = whole_tensors(tracked) if sharded else tracked
     predictor = observer = None
     if variant == "reference":
         predictor = FreezePredictor(source, predictor_formats, rand_bits=config.rand_bits, keep_masks=keep_masks,
                                     fit_steps=fit_steps(config))
     else:
-        # the same seed on every process: stochastic rounding draws the same bits everywhere,
-        # so data-parallel replicas stay bit-identical
+        # the same seed on every process, so that data-parallel replicas stay bit-identical
         gen = torch.Generator().manual_seed(config.seed + 1 if config.sr_seed is None else config.sr_seed)
         if variant == "plan":
             if plan is None:
@@ -180,7 +125,7 @@ def _run_steps(variant: str, model: torch.nn.Module, task: Task, config: TrainCo
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, config))
     record = RunRecord(variant=variant)
     planner = None
-    if plan_at is not None:   # the watch a practitioner would put on the fp32 run, for the plan
+    if plan_at is not None:
         planner = FreezeWatch(model, opt, formats=(config.format,), scheduler=sched, total_steps=config.steps)
     start = datetime.now()
     bar = progress_bar(range(config.steps), desc=f"{variant:>10}", disable=not progress, position=position)
@@ -226,7 +171,7 @@ def _run_steps(variant: str, model: torch.nn.Module, task: Task, config: TrainCo
 
 
 def _finish(run):
-    """Run a generator of :func:`_run_steps` to its end and return its value."""
+    """Run a :func:`_run_steps` generator to its end; its return value."""
     while True:
         try:
             next(run)
@@ -239,9 +184,8 @@ def _run_one(*args, **kwargs):
 
 
 def _lockstep(reference, nearest: Dict[str, Any]):
-    """Step the reference run and the round-to-nearest run of each format in turn, comparing
-    their frozen masks at every step; returns the reference's value, each nearest run's value
-    and each format's agreement curves."""
+    """Step the reference and each format's round-to-nearest run in turn, comparing their frozen
+    masks at every step; returns their values and each format's agreement curves."""
     agreement = {name: {"element_mismatch": [], "chance_mismatch": [], "stratified_chance_mismatch": []}
                  for name in nearest}
     while True:
@@ -262,19 +206,13 @@ def _lockstep(reference, nearest: Dict[str, Any]):
 
 
 def plan_step(config: TrainConfig) -> int:
-    """The number of reference steps the plan variant's freeze watch sees before the plan is
-    made: ``plan_after`` of the run, at least 11 (the diagnoses' patience plus one)."""
+    """The reference steps the plan variant's watch sees before the plan is made: ``plan_after``
+    of the run, at least 11 (the diagnoses' patience plus one)."""
     return min(config.steps, max(11, round(config.plan_after * config.steps)))
 
 
 def fit_steps(config: TrainConfig) -> int:
-    """The first steps whose updates the fitted schedule rule measures: the warmup, or the first
-    2 % of a run without one (at least one step).
-
-    Example:
-        >>> fit_steps(TrainConfig(steps=600, warmup_steps=10)), fit_steps(TrainConfig(steps=600))
-        (10, 12)
-    """
+    """The first steps the fitted schedule rule measures: the warmup, else 2 % of the run (at least 1)."""
     return min(config.steps, config.warmup_steps if config.warmup_steps > 0 else max(1, config.steps // 50))
 
 
@@ -290,33 +228,25 @@ def _provenance(device: str, dist_info: Distributed, identical: Dict[str, bool],
     p = provenance(device)
     if dist_info.enabled:
         p["distributed"] = {"world_size": dist_info.world_size, "backend": dist_info.backend, "parallel": parallel}
-        if parallel == "ddp":    # (FSDP2 keeps no replicas: each process holds a shard)
+        if parallel == "ddp":    # FSDP2 keeps no replicas
             p["distributed"]["replicas_identical"] = identical
     return p
 
 
-def _replicas(dist_info: Distributed, config: TrainConfig) -> bool:
-    """Whether the processes hold replicas to compare (DDP under torchrun)."""
+def _replicas(dist_info: Distributed, config: TrainConfig) -> bool:   # DDP: replicas to compare
     return dist_info.enabled and config.parallel == "ddp"
 
 
 def train_variants(experiment: str, task: Task, config: TrainConfig, progress: bool = True) -> TrainResult:
-    """Train the reference and every low-precision variant of ``config.variants`` from one
-    initialisation on the same batches, predicting and observing freezes.
-
-    Under ``torchrun`` with several processes, each trains a replica on its share of every batch
-    (``task.shard``; the whole batch when the task has none) and gradients are averaged, so the
-    global batch is the one a single process uses; every process returns the same result, and
-    ``provenance["distributed"]`` records whether the replicas ended bit-identical.
-
-    Example: see the module docstring (``run_experiment`` builds the task and config)."""
+    """Train the reference and every low-precision variant of ``config.variants``, predicting and observing freezes.
+    Under ``torchrun`` the global batch is the one a single process uses, every process returns the same result, and
+    ``provenance["distributed"]`` records whether the replicas ended bit-identical."""
     dist_info, device, progress = _setup(config, progress)
     init = task.make_model(torch.Generator().manual_seed(config.seed))
     runs: Dict[str, RunRecord] = {}
     identical: Dict[str, bool] = {}
     agreement: Dict[str, List[float]] = {}
     fmt = get_format(config.format).name
-
     plan_at = plan_step(config) if "plan" in config.variants else None
 
     def start(variant, **kwargs):
@@ -356,9 +286,8 @@ def train_variants(experiment: str, task: Task, config: TrainConfig, progress: b
 
 
 def train_plan(task: Task, config: TrainConfig, plan: FreezePlan, progress: bool = False) -> RunRecord:
-    """The ``"plan"`` variant of ``config`` with a given ``plan`` (a control: the same budget in
-    another order, another budget), from the same initialisation on the same batches as
-    :func:`train_variants` (one process)."""
+    """The ``"plan"`` variant with a given ``plan`` (a control), from the same initialisation and
+    batches as :func:`train_variants` (one process)."""
     _, device, progress = _setup(config, progress)
     init = task.make_model(torch.Generator().manual_seed(config.seed))
     record, _, _ = _run_one("plan", init, task, config, device, config.formats, progress, plan=plan)
@@ -370,19 +299,8 @@ Variants = Union[Sequence[str], Dict[str, Sequence[str]]]
 
 def train_formats(experiment: str, task: Task, config: TrainConfig, formats: Sequence[str],
                   variants: Variants = ("nearest",), progress: bool = True) -> Dict[str, TrainResult]:
-    """One reference run predicting every format of ``formats`` at once, then the low-precision
-    ``variants`` in each format, all from one initialisation on the same batches. Returns one
-    TrainResult per format (keyed by format name) that share the reference run: the same as
-    ``train_variants`` per format, for one reference run instead of one per format.
-
-    ``variants`` is a list for every format, or a dict ``{format: list}`` (formats left out get
-    ``("nearest",)``).
-
-    Example:
-        >>> results = run_formats("quadratic", ["e8m3", "bf16"], steps=50, progress=False)
-        >>> sorted(results)
-        ['bf16', 'e8m3']
-    """
+    """One reference run predicting every format of ``formats``, then ``variants`` in each (a list, or
+    ``{format: list}``, ``("nearest",)`` for the rest): a TrainResult per format, sharing the reference."""
     names = [get_format(f).name for f in formats]
     if not names:
         raise ValueError("give at least one format")
@@ -400,7 +318,6 @@ def train_formats(experiment: str, task: Task, config: TrainConfig, formats: Seq
                                      variants=("reference",))
     configs = {name: dataclasses.replace(config, format=name, predict_formats=tuple(n for n in names if n != name),
                                          variants=("reference", *per_format[name])) for name in names}
-    # the reference in lockstep with every format's nearest run (masks compared step by step)
     lockstep = [name for name in names if "nearest" in per_format[name]]
     reference = _run_steps("reference", copy.deepcopy(init), task, ref_config, device, ref_config.formats, progress,
                            dist_info, keep_masks=bool(lockstep))

@@ -1,14 +1,8 @@
-"""Sliders for a live kernel, and their kernel-free equivalents for the static site.
-
-* :func:`interact` puts ipywidgets sliders (mantissa bits, learning rate, ...) above a figure that
-  a function redraws; it needs a running kernel (Binder, Colab, local Jupyter).
-* :func:`animate` renders the same function over a list of values into a self-contained HTML
-  animation with a slider (matplotlib's ``to_jshtml``), which works on the rendered book.
+"""Sliders for a live kernel (:func:`interact`), and for the static site the same drawing over a
+list of values as an HTML animation with a slider (:func:`animate`).
 
 Example:
-    >>> def draw(ax, man_bits):
-    ...     ax.plot([0, 1], [0, man_bits])
-    >>> html = animate(draw, "man_bits", [2, 3])
+    >>> html = animate(lambda ax, man_bits: ax.plot([0, 1], [0, man_bits]), "man_bits", [2, 3])
 """
 
 from __future__ import annotations
@@ -49,19 +43,17 @@ def _int_slider(value: int, low: int, high: int, description: str):
 
 
 def mantissa_slider(value: int = 7, low: int = 1, high: int = 12, description: str = "mantissa bits"):
-    """An integer slider for the number of stored mantissa bits (a :class:`Fixed` value when
-    ipywidgets is missing). Example: ``mantissa_slider(3, 1, 10)``."""
+    """A slider for the stored mantissa bits (a :class:`Fixed` value without ipywidgets)."""
     return _int_slider(value, low, high, description)
 
 
 def exponent_slider(value: int = 5, low: int = 2, high: int = 8, description: str = "exponent bits"):
-    """An integer slider for the number of exponent bits (2..8). Example: ``exponent_slider(4)``."""
+    """A slider for the exponent bits (a :class:`Fixed` value without ipywidgets)."""
     return _int_slider(value, low, high, description)
 
 
 def lr_slider(value: float = 0.1, low_exp: float = -4, high_exp: float = 0, description: str = "learning rate"):
-    """A log-scale slider for the learning rate, from 10**low_exp to 10**high_exp (a
-    :class:`Fixed` value when ipywidgets is missing). Example: ``lr_slider(0.01, -3, -1)``."""
+    """Log-scale learning-rate slider, 10**low_exp to 10**high_exp (a :class:`Fixed` without ipywidgets)."""
     if not has_widgets():
         return Fixed(value)
     import ipywidgets as w
@@ -70,12 +62,8 @@ def lr_slider(value: float = 0.1, low_exp: float = -4, high_exp: float = 0, desc
 
 
 def interact(draw: Callable[..., Any], figsize=(8, 4), ncols: int = 1, **controls):
-    """Redraw ``draw(axes, **values)`` whenever a control changes. ``controls`` maps argument names
-    to ipywidgets controls (see :func:`mantissa_slider`, :func:`lr_slider`) or to fixed values.
-    ``axes`` is one matplotlib axes (or a list when ``ncols > 1``). Returns the widget box; with no
-    ipywidgets installed, draws once with the initial values and says so.
-
-    Example: ``interact(lambda ax, man_bits: ..., man_bits=mantissa_slider())``."""
+    """Redraw ``draw(axes, **values)`` whenever a control (a slider or a fixed value) changes; returns
+    the widget box. Without ipywidgets, draws the initial values once and says so."""
     if not has_widgets():
         print("ipywidgets is not installed: showing the initial values only (pip install ipywidgets)")
         fig, axes = plt.subplots(1, ncols, figsize=figsize)
@@ -105,11 +93,8 @@ def interact(draw: Callable[..., Any], figsize=(8, 4), ncols: int = 1, **control
 
 def animate(draw: Callable[..., Any], name: str, values: Sequence, figsize=(8, 4), ncols: int = 1,
             interval: int = 900, fixed: Dict[str, Any] = None):
-    """A kernel-free equivalent of a slider: ``draw(axes, **{name: value}, **fixed)`` for each
-    value, as one HTML animation with play controls and a frame slider. Display the returned
-    object in a notebook; it stays interactive on the static site.
-
-    Example: ``animate(draw_grid, "man_bits", [2, 3, 4, 5])``."""
+    """A slider without a kernel: ``draw(axes, **{name: value}, **fixed)`` for each value, as one
+    HTML animation with a frame slider, which stays interactive on the static site."""
     from IPython.display import HTML
 
     fixed = fixed or {}

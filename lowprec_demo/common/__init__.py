@@ -1,2 +1,1 @@
-"""What every layer shares: files written atomically and progress bars (``output``), and one
-figure style (``style``)."""
+"""Shared by every layer: atomic file writes and progress bars (``output``), one figure style (``style``)."""

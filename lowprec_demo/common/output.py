@@ -1,8 +1,4 @@
-"""What every layer writes through: a JSON file written atomically, a file mode, a progress bar.
-
-Example:
-    >>> for i in progress_bar(range(3), disable=True): pass
-"""
+"""What every layer writes through: a JSON file written atomically, a file mode, a progress bar."""
 
 from __future__ import annotations
 
@@ -16,8 +12,8 @@ __all__ = ["atomic_write_json", "default_file_mode", "progress_bar"]
 
 
 def progress_bar(iterable: Iterable, desc: str = "", disable: bool = False, **kwargs):
-    """A tqdm progress bar (the notebook flavour inside Jupyter), or the iterable unchanged when
-    disabled or tqdm is missing. Example: ``for i in progress_bar(range(3), disable=True): ...``."""
+    """A tqdm progress bar (the notebook flavour inside Jupyter), or the iterable as it is when
+    disabled or without tqdm: ``for step in progress_bar(range(n), disable=not progress)``."""
     if disable:
         return _Silent(iterable)
     try:
@@ -41,16 +37,15 @@ class _Silent:
 
 
 def default_file_mode(fd: int) -> None:
-    """Give a file made by ``tempfile.mkstemp`` (mode 0600) the mode a plain ``open`` would have
-    given it (0666 less the umask), so that a file written atomically is readable as any other."""
+    """Give a ``tempfile.mkstemp`` file (mode 0600) the mode ``open`` gives (0666 less the umask),
+    so that a file written atomically is readable as any other."""
     mask = os.umask(0)
     os.umask(mask)
     os.fchmod(fd, 0o666 & ~mask)
 
 
 def atomic_write_json(path, data: dict) -> Path:
-    """Write JSON to a temporary file beside ``path``, then rename it into place: a reader never
-    sees a half-written file. Example: ``atomic_write_json("r.json", {"a": 1})``."""
+    """Write JSON to a temp file beside ``path``, then rename it into place: no reader sees a half-written file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)

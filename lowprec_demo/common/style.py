@@ -1,7 +1,6 @@
-"""One figure style for every figure the package draws: the palette, a colour and line style per
-variant (:data:`STYLES`, :func:`style`), families of curves (:func:`series_style`,
-:func:`tensor_styles`), labels at the lines' ends (:func:`label_lines`) and matplotlib's defaults
-(:func:`use_book_style`).
+"""One style for every figure the package draws: a colour and line style per variant
+(:data:`STYLES`, :func:`style`), families of curves (:func:`series_style`, :func:`tensor_styles`),
+labels at the lines' ends (:func:`label_lines`) and matplotlib's defaults (:func:`use_book_style`).
 
 Example:
     >>> style("nearest")["color"]
@@ -15,11 +14,10 @@ from typing import Iterable, Optional
 import matplotlib.pyplot as plt
 import numpy as np
 
-__all__ = ["COLORS", "LABELS", "PALETTE", "STYLES", "BOOK_RC", "use_book_style", "style", "series_style", "tensor_styles",
-           "label_lines"]
+__all__ = ["COLORS", "LABELS", "PALETTE", "STYLES", "BOOK_RC", "use_book_style", "style", "series_style",
+           "tensor_styles", "label_lines"]
 
-# One figure style for the whole book. The palette is Okabe and Ito's (2008), which colour-blind
-# readers tell apart; every variant also has its own line style, so the figures read in grey.
+# Okabe and Ito's palette, which colour-blind readers tell apart; each variant also has a line style, to read in grey.
 PALETTE = {"black": "#000000", "orange": "#E69F00", "sky": "#56B4E9", "green": "#009E73", "yellow": "#F0E442",
            "blue": "#0072B2", "vermillion": "#D55E00", "purple": "#CC79A7", "grey": "#999999"}
 STYLES = {   # variant or curve -> (colour, line style)
@@ -52,9 +50,7 @@ BOOK_RC = {"figure.dpi": 100, "savefig.dpi": 100, "font.size": 10, "axes.titlesi
 
 
 def use_book_style() -> None:
-    """Set matplotlib's defaults to the book's figure style (:data:`BOOK_RC`): the Okabe-Ito
-    palette as the colour cycle, 1.8-point lines, readable fonts, no top or right spine. The
-    chapters call it once at the top; every ``plot_*`` function of this module draws in it."""
+    """Set matplotlib's defaults to the book's style (:data:`BOOK_RC`); the chapters call it once."""
     plt.rcParams.update(BOOK_RC)
 
 
@@ -70,24 +66,20 @@ def style(name: str) -> dict:
 
 
 def series_style(i: int) -> dict:
-    """``color`` and ``ls`` of the i-th curve of a family (colours first, then line styles), so
-    that eight curves differ in colour and more differ in line style as well."""
+    """``color`` and ``ls`` of the i-th curve of a family: eight colours, then line styles too."""
     n = len(_CYCLE_COLORS)
     return {"color": PALETTE[_CYCLE_COLORS[i % n]], "ls": _CYCLE_STYLES[(i // n) % len(_CYCLE_STYLES)]}
 
 
 def tensor_styles(names: Iterable[str]) -> dict:
-    """One style (:func:`series_style`) per tensor name, by the names' sorted order, so that a
-    tensor keeps its colour and line style in every figure drawn from the same list of names
-    (pass all of a model's tensor names, then plot any subset)."""
+    """One :func:`series_style` per tensor name in sorted order: given all of a model's names, a
+    tensor keeps its style in every figure of any subset."""
     return {name: series_style(i) for i, name in enumerate(sorted(set(names)))}
 
 
 def label_lines(ax, fontsize: float = 8, min_gap: float = 0.05, x: Optional[float] = None, **kwargs):
-    """Label each labelled line of ``ax`` at its right end, in its own colour, instead of a
-    legend; labels closer than ``min_gap`` (a fraction of the axes' height) are pushed apart, so
-    none overlaps another. ``x``: where on the x axis to read each line (default its last point).
-    Returns the text objects."""
+    """Label each labelled line of ``ax`` at its right end (or at ``x``), in its colour, instead of
+    a legend; labels closer than ``min_gap`` (of the axes' height) are pushed apart. Returns them."""
     lines = [ln for ln in ax.get_lines() if ln.get_label() and not ln.get_label().startswith("_")]
     if not lines:
         return []
@@ -108,13 +100,9 @@ def label_lines(ax, fontsize: float = 8, min_gap: float = 0.05, x: Optional[floa
     items.sort(key=lambda t: t[0])
     for k in range(1, len(items)):      # push upwards, then pull the stack back inside the axes
         items[k][0] = max(items[k][0], items[k - 1][0] + min_gap)
-    overflow = items[-1][0] - 0.98 if items else 0
-    if overflow > 0:
+    if items and items[-1][0] > 0.98:
         for k in range(len(items) - 1, -1, -1):
             items[k][0] = min(items[k][0], 0.98 - (len(items) - 1 - k) * min_gap)
-    texts = []
-    for pos, xv, ln in items:
-        texts.append(ax.annotate(ln.get_label(), xy=(1.01, pos), xycoords=("axes fraction", "axes fraction"),
-                                 color=ln.get_color(), fontsize=fontsize, va="center", ha="left",
-                                 annotation_clip=False, **kwargs))
-    return texts
+    return [ax.annotate(ln.get_label(), xy=(1.01, pos), xycoords=("axes fraction", "axes fraction"),
+                        color=ln.get_color(), fontsize=fontsize, va="center", ha="left", annotation_clip=False,
+                        **kwargs) for pos, _, ln in items]

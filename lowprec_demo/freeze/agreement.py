@@ -1,21 +1,7 @@
-"""Element by element: how far a predicted frozen mask and an observed one agree, against chance.
-
-A reference run and a low-precision run stepped in lockstep each keep their last step's frozen
-mask (``masks[format][tensor]``, one bool per element; see :mod:`lowprec_demo.prediction`). The
-share of elements whose two states differ says how well the prediction names the frozen weights;
-it is worth something only against what masks that know less would give:
-
-- :func:`mask_mismatch`'s chance level: independent masks with the same two overall fractions,
-  ``p(1-q) + q(1-p)``;
-- :func:`stratified_chance_mismatch`: independent masks within each tensor and binade of the
-  weights, the level a prediction that knew only each weight's size and the schedule would reach.
-
-Example:
-    >>> import torch
-    >>> a = {"w": torch.tensor([True, True, False, False])}
-    >>> b = {"w": torch.tensor([True, False, False, False])}
-    >>> mask_mismatch(a, b)
-    (0.25, 0.5)
+"""How far a predicted frozen mask and an observed one (``masks[format][tensor]`` of two trackers stepped in lockstep,
+:mod:`lowprec_demo.freeze.prediction`) agree element by element, against what masks that know less would give:
+independent masks with the same frozen fractions overall (:func:`mask_mismatch`) or per tensor and binade
+(:func:`stratified_chance_mismatch`: a prediction that knew only each weight's size and the schedule).
 """
 
 from __future__ import annotations
@@ -29,9 +15,8 @@ __all__ = ["mask_mismatch", "stratified_chance_mismatch"]
 
 
 def mask_mismatch(predicted: Mapping[str, torch.Tensor], observed: Mapping[str, torch.Tensor]) -> tuple:
-    """Element-level agreement of two frozen masks over the same tensors: the fraction of
-    elements whose predicted and observed states differ, and the fraction that two independent
-    masks with the same two frozen fractions p and q would give, ``p(1-q) + q(1-p)`` (chance).
+    """The fraction of elements whose predicted and observed states differ, and the chance
+    level of two independent masks with frozen fractions p and q, ``p(1-q) + q(1-p)``.
 
     Example:
         >>> a = {"w": torch.tensor([True, True, False, False])}
@@ -51,12 +36,9 @@ def mask_mismatch(predicted: Mapping[str, torch.Tensor], observed: Mapping[str, 
 
 def stratified_chance_mismatch(predicted: Mapping[str, torch.Tensor], observed: Mapping[str, torch.Tensor],
                                weights: Mapping[str, torch.Tensor]) -> float:
-    """The mismatch two masks would show if they were independent *within each stratum*: a tensor
-    and a binade of its weights (the binary exponent of ``weights``; zeros a stratum of their
-    own). Per stratum s with n_s elements and frozen fractions p_s, q_s it is
-    ``p_s(1-q_s) + q_s(1-p_s)``, averaged with weights n_s. Freezing depends mostly on a weight's
-    exponent, so this chance level is lower than :func:`mask_mismatch`'s global one: a prediction
-    that knew only each weight's size and the schedule would come close to it.
+    """The chance level of masks independent *within each stratum* (a tensor and a binade of its
+    ``weights``; zeros a stratum of their own): ``p_s(1-q_s) + q_s(1-p_s)`` averaged with weights
+    n_s. Freezing depends mostly on a weight's exponent, so this lies below the global one.
 
     Example:
         >>> w = {"w": torch.tensor([1.0, 1.5, 0.01, 0.015])}   # two binades, two elements each

@@ -1,14 +1,6 @@
-"""A freeze watch for any training loop: :func:`watch` attaches to a model and its optimizer,
-counts the weights each step leaves where they were, forecasts when a format would freeze them,
-diagnoses why (``diagnoses``), reports (``report``: :class:`WatchReport`, :func:`load_watch`) and
-plans a remedy per tensor. ``integrations`` gives the Hugging Face and Lightning callbacks and
-:func:`attach_plan`.
-
-Example:
-    >>> import torch
-    >>> model = torch.nn.Linear(4, 2)
-    >>> opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    >>> w = watch(model, opt, progress=False)
+"""A freeze watch for any training loop (:func:`watch`): which weights each step leaves in place,
+when a format would freeze them (``forecast``), why (``diagnoses``), the report (``report``) and
+a remedy per tensor; ``integrations`` has the trainer callbacks and :func:`attach_plan`.
 """
 
 from lowprec_demo.monitor.diagnoses import Diagnosis

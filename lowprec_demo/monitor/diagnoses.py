@@ -1,23 +1,9 @@
-"""The freeze watch's diagnoses: what cannot move, and why, in plain words with the numbers and
-the remedy.
-
-Each kind of :data:`DIAGNOSIS_KINDS` has its rule:
-
-* ``cannot_move`` / ``frozen``: a tensor with a gradient held still (at least :data:`LOCKED` of
-  it) on each of the last ``patience`` watched steps: ``cannot_move`` when that has held on
-  every watched step since the first (in both modes; in prediction mode with the learning rate
-  it would need), ``frozen`` when it moved before;
-* ``weight_decay``: decoupled weight decay with ``lr * weight_decay`` below half the relative gap
-  ``2^-(m+1)``, so that ``w (1 - lr wd)`` rounds back to ``w``;
-* ``state_decay``: an optimizer moving average stored in a format where ``beta * v`` rounds back
-  to ``v``;
-* ``counter``: a float step counter that stopped counting, or will at ``2^(m+1)`` within the run;
-* ``idle``: a tensor, or rows of an embedding, with no gradient on any watched step.
-
-:func:`group_lines` writes them for a reader: one line for the tensors that share a diagnosis.
-
-:func:`diagnose` takes a :class:`~lowprec_demo.watch.FreezeWatch` and reads what it measured
-through its public methods; ``FreezeWatch.diagnoses()`` answers with it.
+"""The freeze watch's diagnoses: what cannot move, and why, with the numbers and the remedy.
+Kinds (:data:`DIAGNOSIS_KINDS`): ``cannot_move`` / ``frozen``, a tensor with a gradient held still (at least
+:data:`LOCKED` of it) on each of the last ``patience`` watched steps, since the first or not; ``weight_decay``,
+decoupled weight decay with ``lr * wd`` below half the relative gap ``2^-(m+1)``, so that ``w (1 - lr wd)`` rounds
+back to ``w``; ``state_decay``, a moving average whose ``beta * v`` rounds back to ``v``; ``counter``, a float step
+counter that stopped counting or will within the run; ``idle``, a tensor or an embedding's rows never with a gradient.
 
 Example:
     >>> str(Diagnosis("idle", "w", "w got no gradient"))
@@ -27,7 +13,7 @@ Example:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import List, Optional
 
 import torch
@@ -45,9 +31,7 @@ LOCKED = 0.99            # "cannot move" / "frozen": at least this fraction of a
 
 @dataclass
 class Diagnosis:
-    """One finding of the watch: ``kind`` (one of :data:`DIAGNOSIS_KINDS`), ``tensor`` (a name,
-    or None for the whole model), a plain-words ``message`` with its remedy, and the ``numbers``
-    behind it."""
+    """One finding: ``kind``, ``tensor`` (None: whole model), ``message`` with the remedy, ``numbers`` behind it."""
 
     kind: str
     tensor: Optional[str]
@@ -59,60 +43,54 @@ class Diagnosis:
 
 
 def diagnose(watch) -> List[Diagnosis]:
-    """What cannot move in a watched run, and why, each with its numbers and the remedy the
-    book measures: the held tensors per format first, then weight decay, optimizer state,
-    counters and idle tensors. Nothing before the first watched step.
-    Example: ``diagnose(watch)`` -> ``[Diagnosis("frozen", "fc.bias", ...), ...]``."""
-    out: List[Diagnosis] = []
+    """The diagnoses of a :class:`~lowprec_demo.monitor.freeze_watch.FreezeWatch`: held tensors
+    per format, then weight decay, optimizer state, counters and idle tensors."""
     if not watch.steps:
-        return out
-    k = min(watch.patience, len(watch.steps))
-    for f in watch.formats:
-        rec = watch.records[f]
+        return []
+    out: List[Diagnosis] = []
+    k = watch.patience         # the held tensors: once as many steps as that were watched
+    for f in watch.formats if len(watch.steps) >= k else ():
         for n in watch.tracked:
-            held, with_grad = rec.by_tensor[n], [1 - x for x in watch.idle[n]]
-            if len(watch.steps) < watch.patience or min(held[-k:]) < LOCKED or max(with_grad[-k:]) <= 0.01:
+            held, with_grad = watch.records[f].by_tensor[n], [1 - x for x in watch.idle[n]]
+            if min(held[-k:]) < LOCKED or max(with_grad[-k:]) <= 0.01:
                 continue
             always = min(held) >= LOCKED          # held since the first watched step
             span = len(held) if always else k
+            head = f"{n} ({watch.sizes[n]:,} elements)"
+            remedy = "Remedy: keep it in float32 (master weights), or use stochastic rounding."
             if watch.mode == "predict" and always:
                 top = update_ratios(watch, f, q=LOCKED)[n]        # the largest steps per unit of lr, in gaps
                 lr = max(lrs[watch.param_group_of(n)] for lrs in watch.lrs)
+                above = 0.5 / top if top else math.inf
                 out.append(Diagnosis("cannot_move", n, (
-                    f"{n} ({watch.sizes[n]:,} elements) cannot move in {f}: on every one of the {span} watched steps "
-                    f"at least {min(held):.1%} of its updates were below half the gap of its stored values, while its "
-                    f"gradient is not zero. Its steps are at most about {top:.3g} gaps per unit of learning rate "
-                    f"(99th percentile), so it moves only above a learning rate of {0.5 / top if top else math.inf:.2e}; "
-                    f"the largest so far is {lr:.2e}. Remedy: keep it in float32 (master weights), or use stochastic "
-                    f"rounding."),
+                    f"{head} cannot move in {f}: on every one of the {span} watched steps at least {min(held):.1%} of "
+                    f"its updates were below half the gap of its stored values, while its gradient is not zero. Its "
+                    f"steps are at most about {top:.3g} gaps per unit of learning rate (99th percentile), so it moves "
+                    f"only above a learning rate of {above:.2e}; the largest so far is {lr:.2e}. {remedy}"),
                     {"format": f, "frozen": min(held), "steps": span, "ratio_p99": top, "max_lr": lr,
-                     "moves_above_lr": 0.5 / top if top else math.inf, "with_gradient": min(with_grad)}))
-                continue
-            if always:      # observed: held on every watched step
+                     "moves_above_lr": above, "with_gradient": min(with_grad)}))
+            elif always:      # observed: held on every watched step
                 out.append(Diagnosis("cannot_move", n, (
-                    f"{n} ({watch.sizes[n]:,} elements) cannot move in {f}: on every one of the {span} watched steps "
-                    f"at least {min(held):.1%} of it was unchanged by the step, while at least {min(with_grad):.0%} "
-                    f"of its elements had a nonzero gradient: its updates are below half the gap of its stored "
-                    f"values. Remedy: keep it in float32 (master weights), or use stochastic rounding."),
+                    f"{head} cannot move in {f}: on every one of the {span} watched steps at least {min(held):.1%} of "
+                    f"it was unchanged by the step, while at least {min(with_grad):.0%} of its elements had a nonzero "
+                    f"gradient: its updates are below half the gap of its stored values. {remedy}"),
                     {"format": f, "frozen": min(held), "steps": span, "since_start": True,
                      "with_gradient": min(with_grad)}))
-                continue
-            verb = "would have been" if watch.mode == "predict" else "has been"
-            out.append(Diagnosis("frozen", n, (
-                f"{n} ({watch.sizes[n]:,} elements) {verb} frozen in {f} for the last {span} watched steps: at least "
-                f"{min(held[-k:]):.1%} of it unchanged by every step, while at least {min(with_grad[-k:]):.0%} of its "
-                f"elements had a nonzero gradient at each of them. Remedy: float32 master weights, or stochastic rounding."),
-                {"format": f, "frozen": min(held[-k:]), "steps": span, "since_start": always,
-                 "with_gradient": min(with_grad[-k:])}))
+            else:
+                verb = "would have been" if watch.mode == "predict" else "has been"
+                out.append(Diagnosis("frozen", n, (
+                    f"{head} {verb} frozen in {f} for the last {span} watched steps: at least {min(held[-k:]):.1%} of "
+                    f"it unchanged by every step, while at least {min(with_grad[-k:]):.0%} of its elements had a "
+                    f"nonzero gradient at each of them. Remedy: float32 master weights, or stochastic rounding."),
+                    {"format": f, "frozen": min(held[-k:]), "steps": span, "since_start": always,
+                     "with_gradient": min(with_grad[-k:])}))
     out += _weight_decay(watch) + _state_decay(watch) + _counters(watch) + _idle(watch)
     return out
 
 
 def _weight_decay(watch) -> List[Diagnosis]:
-    """Decoupled weight decay (AdamW, or ``decoupled_weight_decay``) that rounds away: per param
-    group and stored format, ``lr * wd`` at the largest learning rate so far below ``2^-(m+1)``."""
-    out = []
-    optimizer = watch.optimizer
+    """Per param group and format, decoupled weight decay whose largest ``lr * wd`` rounds away."""
+    out, optimizer = [], watch.optimizer
     for gi, group in enumerate(optimizer.param_groups):
         wd = float(group.get("weight_decay", 0.0) or 0.0)
         stepper = optimizer.optimizer if isinstance(optimizer, LowPrecisionOptimizer) else optimizer
@@ -129,9 +107,9 @@ def _weight_decay(watch) -> List[Diagnosis]:
             where = "on no weight" if lr * wd < lower else "only on weights in the upper part of their binade"
             out.append(Diagnosis("weight_decay", None, (
                 f"weight decay cannot act in {fmt.name} ({where}): lr * weight_decay = {lr * wd:.2e} at the largest "
-                f"learning rate so far, below half the relative gap 2^-{m + 1} = {upper:.2e} (2^-{m + 2} = "
-                f"{lower:.2e} at a power of two, where the gap below is half as wide), so w (1 - lr wd) rounds back to w; it works only "
-                f"through the gradient step it is added to. Remedy: float32 master weights, or stochastic "
+                f"learning rate so far, below half the relative gap 2^-{m + 1} = {upper:.2e} (2^-{m + 2} = {lower:.2e} "
+                f"at a power of two, where the gap below is half as wide), so w (1 - lr wd) rounds back to w; it works "
+                f"only through the gradient step it is added to. Remedy: float32 master weights, or stochastic "
                 f"rounding. Param group {gi}, {len(names)} tensors."),
                 {"format": fmt.name, "group": gi, "lr": lr, "weight_decay": wd, "product": lr * wd,
                  "half_relative_gap": upper, "at_power_of_two": lower}))
@@ -139,11 +117,8 @@ def _weight_decay(watch) -> List[Diagnosis]:
 
 
 def _state_decay(watch) -> List[Diagnosis]:
-    """Optimizer moving averages (``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``) stored in a
-    format where ``beta * v`` rounds back to ``v`` (:func:`~lowprec_demo.rounding.decay_rounds_back`),
-    once per state and format."""
-    out, seen = [], set()
-    optimizer = watch.optimizer
+    """Moving averages whose ``beta * v`` rounds back to ``v``, once per state and format."""
+    out, seen, optimizer = [], set(), watch.optimizer
     for n in watch.tracked:
         group = optimizer.param_groups[watch.param_group_of(n)]
         betas = group.get("betas", (None, None))
@@ -152,43 +127,38 @@ def _state_decay(watch) -> List[Diagnosis]:
             beta = rates.get(key)
             if not torch.is_tensor(value) or value.dim() == 0 or not beta:
                 continue
-            name = format_of_dtype(value.dtype)
-            if isinstance(optimizer, LowPrecisionOptimizer) and optimizer.state_format is not None:
-                name = optimizer.state_format.name
-            if name is None:
+            on_grid = isinstance(optimizer, LowPrecisionOptimizer) and optimizer.state_format is not None
+            name = optimizer.state_format.name if on_grid else format_of_dtype(value.dtype)
+            if name is None or not decay_rounds_back(beta, name) or (key, name) in seen:
                 continue
+            seen.add((key, name))
             m = get_format(name).man_bits
-            if decay_rounds_back(beta, name) and (key, name) not in seen:
-                seen.add((key, name))
-                tensors = [t for t in watch.tracked if key in watch.optimizer_state(t)]
-                lower = 2.0 ** -(m + 2)
-                where = ("on every value" if 1 - beta < lower else
-                         "on the values just above a power of two, whose relative half gap is smallest")
-                out.append(Diagnosis("state_decay", None, (
-                    f"the optimizer state {key!r} is stored in {name}, and its moving average cannot decay "
-                    f"({where}): 1 - beta = {1 - beta:.3g} is below half the relative gap, which lies between "
-                    f"2^-{m + 2} = {lower:.2e} and 2^-{m + 1} = {2.0 ** -(m + 1):.2e}, so beta * v rounds back to v "
-                    f"once the new input is small. Remedy: keep the optimizer state in float32, use stochastic "
-                    f"rounding for it, or a smaller beta. {len(tensors)} tensors."),
-                    {"state": key, "format": name, "beta": beta, "one_minus_beta": 1 - beta,
-                     "half_relative_gap": 2.0 ** -(m + 1), "tensors": len(tensors)}))
+            tensors = [t for t in watch.tracked if key in watch.optimizer_state(t)]
+            lower = 2.0 ** -(m + 2)
+            where = "on every value" if 1 - beta < lower else \
+                "on the values just above a power of two, whose relative half gap is smallest"
+            out.append(Diagnosis("state_decay", None, (
+                f"the optimizer state {key!r} is stored in {name}, and its moving average cannot decay ({where}): "
+                f"1 - beta = {1 - beta:.3g} is below half the relative gap, which lies between 2^-{m + 2} = "
+                f"{lower:.2e} and 2^-{m + 1} = {2.0 ** -(m + 1):.2e}, so beta * v rounds back to v once the new input "
+                f"is small. Remedy: keep the optimizer state in float32, use stochastic rounding for it, or a smaller "
+                f"beta. {len(tensors)} tensors."),
+                {"state": key, "format": name, "beta": beta, "one_minus_beta": 1 - beta,
+                 "half_relative_gap": 2.0 ** -(m + 1), "tensors": len(tensors)}))
     return out
 
 
 def _counters(watch) -> List[Diagnosis]:
-    """Float step counters in the optimizer state that stood still, or that the run's length
-    takes past ``2^(m+1)``, where ``v + 1`` rounds back to ``v``; once per state and format."""
+    """Float step counters stuck, or taken past ``2^(m+1)`` by the run; once per state and format."""
     out, seen = [], set()
     for (n, key), (value, stuck) in watch.counters().items():
         state = watch.optimizer_state(n).get(key)
-        if state is None:
-            continue
-        name = format_of_dtype(state.dtype) or {torch.float32: "fp32", torch.float64: "fp64"}.get(state.dtype)
+        name = None if state is None else format_of_dtype(state.dtype) or {
+            torch.float32: "fp32", torch.float64: "fp64"}.get(state.dtype)
         if name is None or (key, name) in seen:
             continue
         stop = 2.0 ** (get_format(name).man_bits + 1)     # v + 1 rounds back to v from here on
-        reaches = watch.total_steps is not None and watch.total_steps > stop
-        if stuck or reaches:
+        if stuck or watch.total_steps is not None and watch.total_steps > stop:
             seen.add((key, name))
             out.append(Diagnosis("counter", n, (
                 f"the counter {key!r} of the optimizer state is stored in {name}, where counting by one stops at "
@@ -201,8 +171,7 @@ def _counters(watch) -> List[Diagnosis]:
 
 
 def _idle(watch) -> List[Diagnosis]:
-    """Tensors with no gradient on any watched step, and the rows of an embedding that never had
-    one: idle, not frozen."""
+    """Tensors, and an embedding's rows, with no gradient on any watched step."""
     out = []
     rows_seen = watch.rows_with_gradient()
     for n in watch.tracked:
@@ -211,15 +180,13 @@ def _idle(watch) -> List[Diagnosis]:
                 f"{n} ({watch.sizes[n]:,} elements) got no gradient on any of the {len(watch.steps)} watched steps: it "
                 f"is idle, not frozen (is it used in the forward pass, or detached?)."),
                 {"watched_steps": len(watch.steps), "elements": watch.sizes[n]}))
-        elif n in rows_seen:
-            rows = rows_seen[n]
-            never = int((~rows).sum())
-            if never:
-                out.append(Diagnosis("idle", n, (
-                    f"{never} of the {rows.numel()} rows of {n} got no gradient on any watched step: no input "
-                    f"selected them where a loss was computed (a token that never occurs, or a position from which "
-                    f"no label is predicted, such as a position embedding's last); they are idle, not frozen."),
-                    {"rows": rows.numel(), "idle_rows": never, "watched_steps": len(watch.steps)}))
+        elif n in rows_seen and int((~rows_seen[n]).sum()):
+            rows, never = rows_seen[n], int((~rows_seen[n]).sum())
+            out.append(Diagnosis("idle", n, (
+                f"{never} of the {rows.numel()} rows of {n} got no gradient on any watched step: no input selected "
+                f"them where a loss was computed (a token that never occurs, or a position from which no label is "
+                f"predicted, such as a position embedding's last); they are idle, not frozen."),
+                {"rows": rows.numel(), "idle_rows": never, "watched_steps": len(watch.steps)}))
     return out
 
 
@@ -228,49 +195,29 @@ NAMES_SHOWN = 4                                 # tensor names written out in a 
 
 
 def group_lines(diagnoses) -> List[str]:
-    """The diagnoses as a reader takes them in: one line per diagnosis that stands alone, and one
-    line for the tensors that share one (the same kind, format and watched steps, e.g. the 28
-    tensors frozen in bf16 for the last 10 steps), naming the first :data:`NAMES_SHOWN` tensors
-    and the range of the numbers; the per-tensor messages stay in ``watch.diagnoses()`` and the
-    summary's table. Takes :class:`Diagnosis` objects or their dicts (a saved report's).
+    """One line per diagnosis that stands alone, and one for the tensors that share one (kind,
+    format and watched steps), naming the first :data:`NAMES_SHOWN`; takes dicts (a report's) too.
     Example: ``group_lines([Diagnosis("idle", "w", "w got no gradient")])`` -> ``['[idle] w got no gradient']``."""
-    items = [d if isinstance(d, dict) else {"kind": d.kind, "tensor": d.tensor, "message": d.message,
-                                             "numbers": d.numbers} for d in diagnoses]
-    groups, order = {}, []
-    for d in items:
+    groups = {}
+    for d in diagnoses:
+        d = d if isinstance(d, dict) else asdict(d)
         nums = d.get("numbers") or {}
-        if d["kind"] in GROUPED and d.get("tensor") is not None:
-            # an idle tensor (no gradient at all) and idle rows of an embedding are different findings
-            key = (d["kind"], nums.get("format"), nums.get("steps", nums.get("watched_steps")), "idle_rows" in nums)
-        else:
-            key = ("single", id(d))
-        if key not in groups:
-            groups[key] = []
-            order.append(key)
-        groups[key].append(d)
-    lines = []
-    for key in order:
-        members = groups[key]
-        if len(members) == 1:
-            d = members[0]
-            lines.append(f"[{d['kind']}] {d['message']}")
-            continue
-        lines.append(_group_line(key, members))
-    return lines
+        # an idle tensor (no gradient at all) and idle rows of an embedding are different findings
+        key = (d["kind"], nums.get("format"), nums.get("steps", nums.get("watched_steps")), "idle_rows" in nums) \
+            if d["kind"] in GROUPED and d.get("tensor") is not None else ("single", id(d))
+        groups.setdefault(key, []).append(d)
+    return [f"[{m[0]['kind']}] {m[0]['message']}" if len(m) == 1 else _group_line(key, m) for key, m in groups.items()]
 
 
 def _group_line(key, members: List[dict]) -> str:
     kind, fmt, steps, rows = key
-    names = [d["tensor"] for d in members]
-    shown = ", ".join(names[:NAMES_SHOWN]) + (f", ... and {len(names) - NAMES_SHOWN} more" if len(names) > NAMES_SHOWN
-                                               else "")
-    nums = [d["numbers"] for d in members]
+    names, nums = [d["tensor"] for d in members], [d["numbers"] for d in members]
+    more = f", ... and {len(names) - NAMES_SHOWN} more" if len(names) > NAMES_SHOWN else ""
+    head = f"[{kind}] {len(members)} tensors: {', '.join(names[:NAMES_SHOWN])}{more}"
 
     def lowest(key):
-        values = [x[key] for x in nums if isinstance(x.get(key), (int, float))]
-        return min(values) if values else math.nan
+        return min([x[key] for x in nums if isinstance(x.get(key), (int, float))], default=math.nan)
 
-    head = f"[{kind}] {len(members)} tensors: {shown}"
     if kind == "cannot_move":
         return (f"{head}. They cannot move in {fmt}: on every one of the {steps} watched steps at least "
                 f"{lowest('frozen'):.1%} of each was held (updates below half the gap of its stored values), while "

@@ -1,24 +1,9 @@
-"""The freeze watch's forecast: the learning-rate schedule ahead, and from it when each tensor
-will stop moving.
+"""The freeze watch's forecast: the learning-rate schedule ahead, and when each tensor will stop.
 
-The watch measures, in prediction mode, each element's update per unit of learning rate in gaps
-of its stored value, ``|d| / (lr gap)``, as a histogram over :data:`EDGES`: a moving average
-over about :data:`MEMORY` watched steps, and one over about :data:`RECENT`. An element is frozen
-at a later step ``s`` when ``lr_s |d| / (lr gap) < 1/2``: the fraction of a tensor frozen at
-step ``s`` is the fraction of its histogram below ``log2(1 / (2 lr_s))``.
-
-Measured, these ratios shrink as training goes on (Adam's ``|m| / sqrt(v)`` falls as the
-gradient's noise comes to outweigh its mean), so a histogram taken to stay as it is forecasts
-late. The watch also keeps, per tensor, the median of ``log2`` of the ratio at the watched
-steps (:class:`RatioTrend`, thinned by doubling to at most :data:`TREND_POINTS` points). The
-forecast fits its slope against ``log(step + 1)`` over the later half of the steps seen and
-carries the recent histogram along that slope (a fall only: a rise is taken as none). The band
-runs from the same with 1.5 times the slope (early) to the histogram of the last
-:data:`MEMORY` steps taken to stay as it is (late).
-
-The functions take a :class:`~lowprec_demo.watch.FreezeWatch` (``watch``) and read what it
-measured through its public methods; :class:`~lowprec_demo.watch.FreezeWatch` answers
-``forecast``, ``forecast_curves`` and ``update_ratios`` with them.
+An element freezes at step ``s`` when ``lr_s |d| / (lr gap) < 1/2``; the watch keeps ``|d| / (lr gap)`` as histograms
+over :data:`EDGES` (:class:`RatioHistograms`). The ratios shrink over training (Adam's ``|m| / sqrt(v)`` falls as noise
+outweighs the gradient's mean), so the forecast carries the recent histogram along each tensor's fitted trend
+(:class:`RatioTrend`, a fall only), with a band from :data:`BAND_SLOPE` times that slope to no trend.
 
 Example:
     >>> lr_schedule([1.0, 1.0, 0.5, 0.25], 1, [0.5], 4)      # a list: the learning rates, scaled
@@ -35,10 +20,12 @@ from typing import Dict, List, Optional
 
 import torch
 
-from lowprec_demo.freeze.prediction import FreezeRecord, freeze_step
+from lowprec_demo.freeze.records import FreezeRecord, freeze_step
 
-__all__ = ["EDGES", "MEMORY", "RECENT", "TREND_POINTS", "BAND_SLOPE", "RatioTrend", "unwrap_scheduler", "check_schedule", "schedule_length", "lr_schedule",
-           "fraction_below", "forecast_curves", "schedule_ahead", "update_ratios", "forecast", "freeze_steps"]
+__all__ = ["EDGES", "MEMORY", "RECENT", "TREND_POINTS", "BAND_SLOPE", "RatioTrend", "RatioHistograms",
+           "unwrap_scheduler", "check_schedule", "schedule_length", "lr_schedule", "fraction_below", "forecast_curves",
+           "schedule_ahead",
+           "update_ratios", "forecast", "freeze_steps"]
 
 # the forecast's histogram of log2(|d| / (lr * gap)): eighths of an octave from 2^-64 to 2^32
 EDGES = torch.arange(-64 * 8, 32 * 8 + 1, dtype=torch.float32) / 8
@@ -49,10 +36,8 @@ BAND_SLOPE = 1.5         # the band's early edge: the fitted slope times this
 
 
 class RatioTrend:
-    """Per tensor, the median of ``log2(|d| / (lr gap))`` at the watched steps: the points the
-    forecast fits its trend on. At most :data:`TREND_POINTS` points are kept; when full, every
-    other one is dropped and from then on only every second (fourth, ...) step is kept, so the
-    points stay spread over the whole run at a fixed memory.
+    """Per tensor, the median of ``log2(|d| / (lr gap))`` at the watched steps, for the trend; at
+    most :data:`TREND_POINTS` kept (when full, every other one is dropped and the stride doubled).
 
     Example:
         >>> t = RatioTrend()
@@ -63,11 +48,11 @@ class RatioTrend:
 
     def __init__(self) -> None:
         self.steps: List[int] = []
-        self._medians: List[torch.Tensor] = []
+        self._medians: List[torch.Tensor] = []   # per point, float32 (tensors,)
         self._stride, self._seen = 1, 0
 
     def add(self, step: int, hist: torch.Tensor) -> None:
-        """Add the point of one watched step from its histogram (tensors, bins) of fractions."""
+        """Add one watched step's point from its histogram (tensors, bins) of fractions."""
         self._seen += 1
         if (self._seen - 1) % self._stride:
             return
@@ -87,32 +72,47 @@ class RatioTrend:
         return torch.stack(self._medians)
 
     def slopes(self) -> List[float]:
-        """Per tensor, the least-squares slope of the median against ``log(step + 1)`` over the
-        later half of the steps seen (from half the last step on), in octaves per e-fold of
-        steps; 0 where fewer than 3 points have a nonzero ratio, or where the fit rises."""
+        """Per tensor, the least-squares slope of the median against ``log(step + 1)`` from half
+        the last step on; 0 with fewer than 3 points of nonzero ratio, or where it rises."""
         if not self.steps:
             return []
-        now = self.steps[-1]
-        keep = [i for i, t in enumerate(self.steps) if t >= now / 2]
+        keep = [i for i, t in enumerate(self.steps) if t >= self.steps[-1] / 2]
         y = self.values()[keep].double()                        # (points, tensors)
         x = torch.log(torch.tensor([self.steps[i] + 1.0 for i in keep], dtype=torch.float64))
         out = []
         for j in range(y.shape[1]):
             ok = y[:, j] > float(EDGES[0]) + 1     # a zero ratio sits in the first bin: no point
-            if int(ok.sum()) < 3:
-                out.append(0.0)
-                continue
-            xj, yj = x[ok], y[ok, j]
-            dx = xj - xj.mean()
+            dx, yj = x[ok] - x[ok].mean(), y[ok, j]
             den = float((dx * dx).sum())
-            out.append(0.0 if den == 0 else min(0.0, float((dx * (yj - yj.mean())).sum()) / den))
+            out.append(0.0 if int(ok.sum()) < 3 or den == 0 else min(0.0, float((dx * (yj - yj.mean())).sum()) / den))
         return out
 
 
+class RatioHistograms:
+    """Per format name, the histograms ``(tensors, bins)`` of ``log2(|d| / (lr gap))`` as fractions,
+    moving averages (Adam's ratio varies from step to step) over about :data:`MEMORY` (``long``)
+    and :data:`RECENT` (``recent``: the trend's start) watched steps, and their :class:`RatioTrend`."""
+
+    def __init__(self) -> None:
+        self.long, self.recent, self.trend = {}, {}, {}
+
+    def add(self, fmt: str, step: int, hist: torch.Tensor) -> None:
+        """Add one watched step's histogram (tensors, bins) of counts."""
+        hist = hist.double()
+        hist = (hist / hist.sum(1, keepdim=True).clamp(min=1)).cpu()
+        for store, memory in ((self.long, MEMORY), (self.recent, RECENT)):
+            h = store.get(fmt)
+            store[fmt] = hist.clone() if h is None else h.mul_(1 - 1 / memory).add_(hist, alpha=1 / memory)
+        self.trend.setdefault(fmt, RatioTrend()).add(step, hist)
+
+    def nbytes(self) -> int:
+        """The memory the histograms and trend points take."""
+        return sum(t.numel() * t.element_size() for t in [*self.long.values(), *self.recent.values()]) \
+            + sum(t.nbytes() for t in self.trend.values())
+
+
 def unwrap_scheduler(scheduler):
-    """The torch scheduler behind wrappers that hold one as ``.scheduler`` (accelerate's
-    AcceleratedScheduler, as the Hugging Face Trainer passes it); anything else as it is.
-    Example: ``unwrap_scheduler(None)`` -> ``None``."""
+    """The torch scheduler behind wrappers holding one as ``.scheduler`` (accelerate's)."""
     while scheduler is not None and not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler) \
             and hasattr(scheduler, "scheduler"):
         scheduler = scheduler.scheduler     # accelerate's AcceleratedScheduler
@@ -120,14 +120,12 @@ def unwrap_scheduler(scheduler):
 
 
 def check_schedule(scheduler) -> None:
-    """Raise ValueError unless ``scheduler`` is a schedule the forecast can read ahead: None
-    (constant), a callable step -> lr, a list of learning rates, or a ``torch.optim.lr_scheduler``
-    scheduler other than ``ReduceLROnPlateau``. Example: ``check_schedule([1e-3, 5e-4])`` passes."""
-    if scheduler is None or callable(scheduler) and not hasattr(scheduler, "step"):
-        return
-    if isinstance(scheduler, (list, tuple)):
-        if not all(isinstance(x, (int, float)) for x in scheduler):
-            raise ValueError("a schedule given as a list must hold one learning rate (a number) per step")
+    """Raise ValueError unless ``scheduler`` can be read ahead: None, a callable step -> lr, a list
+    of learning rates, or a torch scheduler but ``ReduceLROnPlateau``."""
+    if isinstance(scheduler, (list, tuple)) and not all(isinstance(x, (int, float)) for x in scheduler):
+        raise ValueError("a schedule given as a list must hold one learning rate (a number) per step")
+    if scheduler is None or isinstance(scheduler, (list, tuple)) or callable(scheduler) and not hasattr(
+            scheduler, "step"):
         return
     if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
         raise ValueError("ReduceLROnPlateau sets the learning rate from a metric, so it has no schedule to "
@@ -138,11 +136,8 @@ def check_schedule(scheduler) -> None:
 
 
 def schedule_length(scheduler) -> Optional[int]:
-    """The run's length in steps where the schedule says it: a list's length, OneCycleLR's
-    ``total_steps``, CosineAnnealingLR's ``T_max`` (the steps over which it anneals: a run of
-    ``T_max`` optimizer steps, each followed by ``scheduler.step()``, ends where the cosine
-    reaches ``eta_min``); else None.
-    Example: ``schedule_length([1e-3] * 100)`` -> ``100``."""
+    """The run's length where the schedule says it: a list's length, OneCycleLR's ``total_steps``,
+    CosineAnnealingLR's ``T_max`` (its cosine reaches ``eta_min`` after that many steps); else None."""
     if isinstance(scheduler, (list, tuple)):
         return len(scheduler)
     for attr in ("total_steps", "T_max"):   # OneCycleLR; CosineAnnealingLR
@@ -153,13 +148,10 @@ def schedule_length(scheduler) -> Optional[int]:
 
 
 def lr_schedule(scheduler, t0: int, now: List[float], total: int) -> Dict[int, List[float]]:
-    """The learning rate of every param group at every step from ``t0`` (the last watched one,
-    whose learning rates were ``now``) to the end of the run, ``total`` steps: constant for
-    None; for a list or a callable step -> lr, ``now`` scaled by ``value(s) / value(t0)``; for a
-    torch scheduler, a copy of it stepped ahead (the scheduler itself is left as it is).
-    Example: ``lr_schedule(None, 8, [0.1], 10)`` -> ``{8: [0.1], 9: [0.1]}``."""
-    steps = range(t0, total)
-    sched = scheduler
+    """Every param group's learning rate at every step from ``t0`` (whose rates were ``now``) to
+    ``total``: constant for None; ``now`` scaled by ``value(s) / value(t0)`` for a list or a
+    callable; for a torch scheduler, a copy of it stepped ahead."""
+    steps, sched = range(t0, total), scheduler
     if sched is None:
         return {s: list(now) for s in steps}
     if isinstance(sched, (list, tuple)) or callable(sched) and not hasattr(sched, "step"):
@@ -173,11 +165,9 @@ def lr_schedule(scheduler, t0: int, now: List[float], total: int) -> Dict[int, L
     stand_in.step._wrapped_by_lr_sched = True
     clone = copy.deepcopy(sched, memo={id(sched.optimizer): stand_in})
     at = clone.last_epoch            # the step whose learning rate the groups hold now
-    out = {}
+    out = {t0: list(now)} if at > t0 else {}    # (the scheduler already stepped past the watched step)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        if at > t0:                  # the scheduler already stepped past the watched step
-            out[t0] = list(now)
         for s in range(at, total):
             if s >= t0:
                 out[s] = [float(g["lr"]) for g in groups]
@@ -186,33 +176,22 @@ def lr_schedule(scheduler, t0: int, now: List[float], total: int) -> Dict[int, L
 
 
 def fraction_below(cum: List[float], cutoff: float) -> float:
-    """The fraction of a histogram over :data:`EDGES` below ``cutoff``, linear within a bin;
-    ``cum`` is the histogram's cumulative fraction, one value per bin (``len(EDGES) + 1``).
-    Example: with ``cum[i] = i / len(EDGES)``, ``fraction_below(cum, 0.0)`` -> ``512 / 769``."""
-    width = 1 / 8
-    pos = (cutoff - float(EDGES[0])) / width        # bin i + 1 spans edges i .. i + 1
+    """The fraction below ``cutoff`` of cumulative fractions ``cum`` over :data:`EDGES`, linear in a bin."""
+    pos = (cutoff - float(EDGES[0])) / (1 / 8)        # bin i + 1 spans edges i .. i + 1
     if pos < 0:
         return cum[0]
     i = int(pos)
     if i >= len(EDGES) - 1:      # beyond the last edge: only the elements up to it
         return cum[len(EDGES) - 1]
-    lo, hi = cum[i], cum[i + 1]
-    return lo + (hi - lo) * (pos - i)
+    return cum[i] + (cum[i + 1] - cum[i]) * (pos - i)
 
 
 def forecast_curves(watch, fmt=None, total_steps: Optional[int] = None,
                     trend: float = 1.0, schedule: Optional[Dict[int, List[float]]] = None) -> Dict[str, Dict[int, float]]:
-    """The forecast frozen fraction of every tensor and ``"overall"`` at every step after the
-    last watched one, to the end of the run: ``{name: {step: fraction}}`` (see
-    :meth:`FreezeWatch.forecast_curves <lowprec_demo.watch.FreezeWatch.forecast_curves>`).
-
-    The fraction of a tensor frozen at step ``s`` is :func:`fraction_below` of its recent
-    histogram at ``log2(0.5 / lr_s) - trend * b * (log(s + 1) - log(c + 1))``, with ``b`` the
-    tensor's slope (:meth:`RatioTrend.slopes`) and ``c`` the step the recent histogram stands
-    for (1 where ``lr_s <= 0``); overall, the size-weighted mean. ``trend=0``: the histogram of
-    the last :data:`MEMORY` watched steps taken to stay as it is (the band's late edge).
-    ``schedule``: the learning rates ahead as :func:`lr_schedule` gives them (computed when None;
-    :func:`forecast` computes it once for its three curves)."""
+    """The forecast frozen fraction ``{name: {step: fraction}}`` of every tensor and ``"overall"`` (size-weighted) at
+    every step after the last watched one: :func:`fraction_below` of the recent histogram at ``log2(0.5 / lr_s) - trend
+    * b * (log(s + 1) - log(c + 1))``, ``b`` the tensor's slope and ``c`` the step the histogram stands for (1 where
+    ``lr_s <= 0``). ``trend=0``: the :data:`MEMORY` histogram as it is. ``schedule``: :func:`schedule_ahead`'s."""
     _check_forecast(watch)
     if not trend >= 0.0:
         raise ValueError(f"trend must be a factor >= 0 on the fitted slope, got {trend!r}")
@@ -220,26 +199,17 @@ def forecast_curves(watch, fmt=None, total_steps: Optional[int] = None,
     slopes = watch.ratio_trend(fmt).slopes() if trend > 0 else [0.0] * len(watch.tracked)
     # the recent histogram stands for about RECENT - 1 watched steps back
     center = max(0, watch.steps[-1] - (RECENT - 1) * watch.every) if trend > 0 else watch.steps[-1]
-    if schedule is None:
-        schedule = schedule_ahead(watch, total_steps)
+    schedule = schedule_ahead(watch, total_steps) if schedule is None else schedule
     future = [s for s in sorted(schedule) if s > watch.steps[-1]]
-    cum = {}
     out: Dict[str, Dict[int, float]] = {}
-    weighted = {s: 0.0 for s in future}
     for j, n in enumerate(watch.tracked):
         c = torch.cumsum(hist[j], 0)
-        cum[n] = (c / c[-1].clamp(min=1e-300)).tolist()
-        gi = watch.param_group_of(n)
-        curve = {}
-        b = trend * slopes[j]
-        for s in future:
-            lr = schedule[s][gi]
-            shift = b * (math.log(s + 1) - math.log(center + 1)) if b else 0.0
-            curve[s] = 1.0 if lr <= 0 else fraction_below(cum[n], math.log2(0.5 / lr) - shift)
-            weighted[s] += curve[s] * watch.sizes[n]
-        out[n] = curve
+        cum, gi, b = (c / c[-1].clamp(min=1e-300)).tolist(), watch.param_group_of(n), trend * slopes[j]
+        shift = {s: b * (math.log(s + 1) - math.log(center + 1)) if b else 0.0 for s in future}
+        out[n] = {s: 1.0 if schedule[s][gi] <= 0 else fraction_below(cum, math.log2(0.5 / schedule[s][gi]) - shift[s])
+                  for s in future}
     total_size = sum(watch.sizes[n] for n in watch.tracked)
-    out["overall"] = {s: weighted[s] / total_size for s in future}
+    out["overall"] = {s: sum(out[n][s] * watch.sizes[n] for n in watch.tracked) / total_size for s in future}
     return out
 
 
@@ -252,9 +222,7 @@ def _check_forecast(watch) -> None:
 
 
 def schedule_ahead(watch, total_steps: Optional[int] = None) -> Dict[int, List[float]]:
-    """The learning rates per param group from the last watched step to the end of the run
-    (:func:`lr_schedule` of the watch's scheduler), the run's length from ``total_steps`` or the
-    watch's."""
+    """:func:`lr_schedule` of the watch's scheduler from its last watched step to the run's end."""
     _check_forecast(watch)
     total = total_steps if total_steps is not None else watch.total_steps
     if total is None:
@@ -264,15 +232,13 @@ def schedule_ahead(watch, total_steps: Optional[int] = None) -> Dict[int, List[f
 
 
 def update_ratios(watch, fmt=None, q: float = 0.5) -> Dict[str, float]:
-    """Per tensor, the ``q`` quantile of ``|d| / (lr gap)`` in the watch's histogram: the upper
-    edge ``2^EDGES[i]`` of the bin where the cumulative fraction reaches ``q`` (0 in the first
-    bin). Example: a tensor whose updates are all 4 gaps per unit of learning rate -> ``4.0``."""
+    """Per tensor, the ``q`` quantile of ``|d| / (lr gap)``: the upper edge of the bin where the
+    histogram's cumulative fraction reaches ``q`` (0 in the first); it freezes below lr ``1 / (2 ratio)``."""
     if watch.mode != "predict" or not watch.steps:
         raise ValueError("update ratios are measured in prediction mode, after at least one watched step")
     if not 0.0 < q < 1.0:
         raise ValueError(f"q must be in (0, 1), got {q!r}")
-    hist = watch.ratio_histogram(fmt)
-    out = {}
+    out, hist = {}, watch.ratio_histogram(fmt)
     for j, n in enumerate(watch.tracked):
         c = torch.cumsum(hist[j], 0)
         i = int(torch.searchsorted(c / c[-1].clamp(min=1e-300), torch.tensor(q, dtype=c.dtype)))
@@ -282,42 +248,30 @@ def update_ratios(watch, fmt=None, q: float = 0.5) -> Dict[str, float]:
 
 def forecast(watch, fmt=None, threshold: Optional[float] = None,
              total_steps: Optional[int] = None, curves: bool = False) -> Dict[str, object]:
-    """The step at which the whole model and each tensor will pass the threshold (the watch's
-    own when None), with a band: :func:`freeze_steps` over the measured points and
-    :func:`forecast_curves` with the fitted trend (the step), 1.5 times it and none (the band's
-    edges, the earlier as ``"low"``; the step always lies in it).
-    ``{"overall": step, "low": step, "high": step, "by_tensor": {name: {"step", "low", "high"}}}``,
-    each step None where the threshold is not passed within the schedule (a band edge of None:
-    not within the run). ``curves=True`` adds ``"curves"``: the forecast curves with the fitted
-    trend, those of :func:`forecast_curves` (the schedule ahead is computed once for all)."""
+    """The step at which the model and each tensor will pass the threshold: :func:`freeze_steps`
+    over the measured points and the curves with the fitted trend, its band from those with
+    :data:`BAND_SLOPE` times it and none. ``{"overall", "low", "high", "by_tensor": {name:
+    {"step", "low", "high"}}}``, None where not within the run; ``curves=True`` adds the curves."""
     tau = watch.threshold if threshold is None else threshold
     if not 0.0 < tau <= 1.0:
         raise ValueError(f"threshold must be in (0, 1], got {tau!r}")
-    rec = watch.record(fmt)
-    schedule = schedule_ahead(watch, total_steps)
+    rec, schedule = watch.record(fmt), schedule_ahead(watch, total_steps)
     ahead = [forecast_curves(watch, fmt, total_steps, trend, schedule) for trend in (1.0, BAND_SLOPE, 0.0)]
     point, early, late = (freeze_steps(watch, rec, c, tau) for c in ahead)
 
-    def banded(a, b, c) -> Dict[str, Optional[int]]:
-        inf = float("inf")
-        edges = [inf if x is None else x for x in (a, b, c)]
-        lo, hi = min(edges), max(edges)
-        return {"step": a, "low": None if lo == inf else int(lo), "high": None if hi == inf else int(hi)}
+    def banded(*steps) -> Dict[str, Optional[int]]:    # an edge of None: not within the run
+        known = [int(x) for x in steps if x is not None]
+        return {"step": steps[0], "low": min(known, default=None), "high": None if None in steps else max(known)}
 
     overall = banded(point["overall"], early["overall"], late["overall"])
-    out = {"overall": overall["step"], "low": overall["low"], "high": overall["high"],
-           "by_tensor": {n: banded(point["by_tensor"][n], early["by_tensor"][n], late["by_tensor"][n])
-                         for n in watch.tracked}}
-    if curves:
-        out["curves"] = ahead[0]
-    return out
+    by_tensor = {n: banded(point["by_tensor"][n], early["by_tensor"][n], late["by_tensor"][n]) for n in watch.tracked}
+    out = {"overall": overall["step"], "low": overall["low"], "high": overall["high"], "by_tensor": by_tensor}
+    return {**out, "curves": ahead[0]} if curves else out
 
 
 def freeze_steps(watch, rec: FreezeRecord, curves: Dict[str, Dict[int, float]], tau: float) -> Dict[str, object]:
-    """The first step from which the frozen fraction stays at or above ``tau`` to the end of the
-    run, over the record's measured points (at ``watch.steps``) followed by the curves ahead,
-    overall and per tracked tensor; None where it does not happen.
-    Example: points 0.2, 0.6 at steps 0, 1 and ``{2: 0.4, 3: 0.7}`` ahead, ``tau = 0.5`` -> 3."""
+    """The freeze step (:func:`~lowprec_demo.freeze.records.freeze_step`) over the record's points
+    followed by the curves ahead, overall and per tensor."""
 
     def step_of(past: List[float], ahead: Dict[int, float]) -> Optional[int]:
         points = list(zip(watch.steps, past)) + sorted(ahead.items())

@@ -1,33 +1,27 @@
-"""A saved freeze watch: the report as JSON-ready data, read back with the same table and figure.
-
-:meth:`FreezeWatch.save <lowprec_demo.watch.FreezeWatch.save>` writes
-:meth:`~lowprec_demo.watch.FreezeWatch.to_dict` through :func:`jsonable`; :func:`load_watch`
-(and ``python -m lowprec_demo report PATH``) reads it back as a :class:`WatchReport`, whose
-``summary()`` and ``plot()`` are those of the live watch.
-
-Example:
-    >>> jsonable({1: (float("nan"), float("inf"))})
-    {'1': [None, inf]}
+"""The freeze watch's report: JSON-ready data (:func:`report_data`), saved (:func:`save_report`)
+and read back (:func:`load_watch`, ``python -m lowprec_demo report PATH``) as a :class:`WatchReport`,
+whose ``summary()`` and ``plot()`` are those of the live watch.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import asdict
 from typing import Dict, List, Optional
 
 import torch
 
+from lowprec_demo.common.output import atomic_write_json
 from lowprec_demo.formats import DTYPE_FORMATS, FloatFormat, get_format
+from lowprec_demo.monitor import forecast as watch_forecast
 from lowprec_demo.monitor.diagnoses import group_lines
 
-__all__ = ["WatchReport", "load_watch", "jsonable", "watch_format"]
+__all__ = ["WatchReport", "load_watch", "jsonable", "watch_format", "report_data", "save_report"]
 
 
 def watch_format(fmt) -> FloatFormat:
-    """A format as the watch takes it: a name (``"bf16"``), a :class:`~lowprec_demo.formats.FloatFormat`,
-    or the torch dtype that stores it (``torch.bfloat16`` -> bf16, ``torch.float16`` -> fp16, the
-    float8 dtypes -> e4m3 and e5m2, ``torch.float32`` -> fp32), so that a format can be named the
-    way the model was cast. Example: ``watch_format(torch.bfloat16).name`` -> ``"bf16"``."""
+    """A format as the watch takes it: a name, a :class:`~lowprec_demo.formats.FloatFormat`, or the
+    torch dtype that stores it, as the model was cast (``watch_format(torch.bfloat16).name`` -> ``"bf16"``)."""
     if isinstance(fmt, torch.dtype):
         names = {**DTYPE_FORMATS, torch.float32: "fp32"}
         if fmt not in names:
@@ -38,8 +32,7 @@ def watch_format(fmt) -> FloatFormat:
 
 
 def jsonable(x):
-    """``x`` as JSON can hold it: dict keys as strings, tuples as lists, tensors as lists, NaN as
-    None (infinities stay, as JSON's ``Infinity``). Example: ``jsonable({1: (2, 3)})`` -> ``{'1': [2, 3]}``."""
+    """``x`` as JSON can hold it: keys as strings, tuples and tensors as lists, NaN as None."""
     if isinstance(x, dict):
         return {str(k): jsonable(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
@@ -51,16 +44,43 @@ def jsonable(x):
     return x
 
 
-# what a saved report holds, as FreezeWatch.to_dict writes it (total_steps may be None)
+def report_data(watch) -> dict:
+    """A :class:`~lowprec_demo.monitor.freeze_watch.FreezeWatch`'s report as JSON-ready data:
+    settings, steps, records, freeze steps, forecast (with a known run length), diagnoses."""
+    forecasts, curves = {}, {}
+    if watch.mode == "predict" and watch.steps and watch.total_steps:
+        for f in watch.formats:
+            forecasts[f] = watch_forecast.forecast(watch, f, curves=True)
+            curves[f] = {n: {str(s): v for s, v in c.items()} for n, c in forecasts[f].pop("curves").items()}
+    return {"kind": "lowprec_demo.watch", "mode": watch.mode, "formats": watch.formats, "threshold": watch.threshold,
+            "every": watch.every, "total_steps": watch.total_steps, "steps": watch.steps, "lrs": watch.lrs,
+            "sizes": {n: watch.sizes[n] for n in watch.tracked}, "groups": watch.groups(),
+            "records": {f: r.to_dict() for f, r in watch.records.items()}, "idle": watch.idle,
+            "frozen_since": {f: watch.frozen_since(f) for f in watch.formats},
+            "forecast": forecasts, "forecast_curves": curves,
+            "diagnoses": [asdict(d) for d in watch.diagnoses()]}
+
+
+def save_report(watch, path) -> None:
+    """Write the watch's report to ``path`` as JSON, atomically; sharded, from rank 0 only."""
+    import torch.distributed as dist
+    if watch.sharded and dist.get_rank() != 0:
+        return
+    data = jsonable(watch.to_dict())
+    try:
+        atomic_write_json(path, data)
+    except OSError as error:     # it may name the temporary file beside the target: name the target
+        raise type(error)(f"cannot save the freeze watch's report to {path}: {error.strerror or error}") from error
+
+
+# what a saved report holds, as report_data writes it (total_steps may be None)
 REPORT_KEYS = ("mode", "formats", "threshold", "steps", "sizes", "groups", "records", "frozen_since", "forecast",
                "forecast_curves", "diagnoses")
 
 
 def check_report(data) -> None:
     """Raise ValueError, in one line that names what is wrong, unless ``data`` is a freeze-watch
-    report whose parts agree: a JSON object of kind ``lowprec_demo.watch`` with every key of
-    :data:`REPORT_KEYS`, a record for each of its formats, and per tensor as many points as
-    watched steps. A report read from a file is checked before anything is printed from it."""
+    report whose parts agree (checked before anything is printed from a file)."""
     if not isinstance(data, dict):
         raise ValueError(f"not a freeze-watch report: it holds a JSON {type(data).__name__}, not an object")
     if data.get("kind") != "lowprec_demo.watch":
@@ -70,25 +90,22 @@ def check_report(data) -> None:
         raise ValueError(f"the report has no {', '.join(repr(k) for k in missing)} (a saved watch holds "
                          f"{', '.join(REPORT_KEYS)})")
     steps, sizes, records = data["steps"], data["sizes"], data["records"]
-    if not isinstance(steps, list) or not isinstance(sizes, dict) or not isinstance(records, dict) \
-            or not isinstance(data["formats"], list) or not data["formats"]:
+    if not (isinstance(steps, list) and isinstance(sizes, dict) and isinstance(records, dict)
+            and isinstance(data["formats"], list) and data["formats"]):
         raise ValueError("the report's 'steps' and 'formats' must be lists (formats not empty), its 'sizes' and "
                          "'records' objects")
     for f in data["formats"]:
         rec = records.get(f)
-        if not isinstance(rec, dict) or not isinstance(rec.get("overall"), list) \
-                or not isinstance(rec.get("by_tensor"), dict):
+        if not (isinstance(rec, dict) and isinstance(rec.get("overall"), list)
+                and isinstance(rec.get("by_tensor"), dict)):
             raise ValueError(f"the report lists the format {f!r} but holds no record of it ('records' -> {f!r} "
                              f"with 'overall' and 'by_tensor')")
-        if len(rec["overall"]) != len(steps):
-            raise ValueError(f"the sizes disagree: {len(steps)} watched steps but {len(rec['overall'])} points in "
-                             f"the {f} record's 'overall'")
-        for n in sizes:
-            points = rec["by_tensor"].get(n)
+        counts = [(f"points in the {f} record's 'overall'", rec["overall"])] + [
+            (f"points for the tensor {n!r} in the {f} record", rec["by_tensor"].get(n)) for n in sizes]
+        for what, points in counts:
             if not isinstance(points, list) or len(points) != len(steps):
-                got = "none" if not isinstance(points, list) else len(points)
-                raise ValueError(f"the sizes disagree: {len(steps)} watched steps but {got} points for the tensor "
-                                 f"{n!r} in the {f} record")
+                raise ValueError(f"the sizes disagree: {len(steps)} watched steps but "
+                                 f"{len(points) if isinstance(points, list) else 'none'} {what}")
         if f not in data["frozen_since"]:
             raise ValueError(f"the report has no 'frozen_since' of the format {f!r}")
     for group, members in data["groups"].items():
@@ -97,9 +114,21 @@ def check_report(data) -> None:
             raise ValueError(f"the group {group!r} names tensors the report has no size of: {', '.join(unknown[:3])}")
 
 
+def _step(x) -> str:
+    return "-" if x is None else str(x)
+
+
+def _band(x) -> str:
+    """A forecast as ``step (low-high)``; a report saved before the band: the step."""
+    if not isinstance(x, dict):
+        return _step(x)
+    if x.get("low") is None and x.get("high") is None:
+        return _step(x["step"])
+    return f"{_step(x['step'])} ({_step(x.get('low'))}-{'end' if x.get('high') is None else x['high']})"
+
+
 class WatchReport:
-    """A saved watch (:meth:`FreezeWatch.to_dict <lowprec_demo.watch.FreezeWatch.to_dict>`), with the
-    same table and figure. Made by :func:`load_watch` and by ``python -m lowprec_demo report PATH``."""
+    """A watch's report (:func:`report_data`), with the same table and figure as the live watch."""
 
     def __init__(self, data: dict) -> None:
         check_report(data)
@@ -116,68 +145,48 @@ class WatchReport:
         """One row per tensor, the whole model first."""
         f = self._fmt(fmt)
         d = self.data
-        rec = d["records"][f]
-        since, forecast = d["frozen_since"][f], d["forecast"].get(f)
-        kinds: Dict[Optional[str], List[str]] = {}
+        rec, since, forecast = d["records"][f], d["frozen_since"][f], d["forecast"].get(f)
+        kinds: Dict[Optional[str], set] = {}
         for diag in d["diagnoses"]:
             if diag["numbers"].get("format", f) == f or diag["kind"] in ("idle", "counter"):
-                kinds.setdefault(diag["tensor"], []).append(diag["kind"])
-        out = [{"tensor": "(all)", "size": sum(d["sizes"].values()), "format": f,
-                "frozen_now": rec["overall"][-1] if rec["overall"] else None, "frozen_since": since.get("overall"),
-                "forecast": None if forecast is None else {"step": forecast["overall"], "low": forecast.get("low"),
-                                                           "high": forecast.get("high")},
-                "diagnosis": ", ".join(sorted(set(kinds.get(None, []))))}]
-        for n, size in d["sizes"].items():
-            values = rec["by_tensor"].get(n, [])
-            out.append({"tensor": n, "size": size, "format": f, "frozen_now": values[-1] if values else None,
-                        "frozen_since": since.get(n), "forecast": None if forecast is None else forecast["by_tensor"].get(n),
-                        "diagnosis": ", ".join(sorted(set(kinds.get(n, []))))})
-        return out
+                kinds.setdefault(diag["tensor"], set()).add(diag["kind"])
+        whole = None if forecast is None else {k: forecast.get(k) for k in ("low", "high")}
+        rows = [("(all)", None, "overall", sum(d["sizes"].values()), rec["overall"],
+                 None if whole is None else {"step": forecast["overall"], **whole})]
+        rows += [(n, n, n, size, rec["by_tensor"].get(n, []),
+                  None if forecast is None else forecast["by_tensor"].get(n)) for n, size in d["sizes"].items()]
+        return [{"tensor": name, "size": size, "format": f, "frozen_now": values[-1] if values else None,
+                 "frozen_since": since.get(key), "forecast": ahead, "diagnosis": ", ".join(sorted(kinds.get(who, ())))}
+                for name, who, key, size, values, ahead in rows]
 
     def summary(self, fmt=None, show: bool = True) -> str:
-        rows = self.rows(fmt)
-        d = self.data
-        head = (f"freeze watch ({d['mode']}, {rows[0]['format']}): {len(d['steps'])} watched steps"
-                + (f" of {d['total_steps']}" if d.get("total_steps") else "")
-                + f", threshold {d['threshold']:g}; 'since' and 'forecast': the step from which the tensor stays "
-                  f"at or above it")
+        """The table (tensor, size, format, frozen now, since, forecast with its band, diagnosis)
+        and the grouped diagnoses, printed unless ``show=False``, and returned."""
+        rows, d = self.rows(fmt), self.data
         width = max(len(r["tensor"]) for r in rows)
-        lines = [head, f"{'tensor':<{width}}  {'size':>11}  {'format':>6}  {'frozen now':>10}  {'since':>6}  "
-                       f"{'forecast (band)':>16}  diagnosis"]
-
-        def step(x):
-            return "-" if x is None else str(x)
-
-        def band(x):    # a forecast: the step (low-high); a report saved before the band: the step
-            if not isinstance(x, dict):
-                return step(x)
-            edges = "" if x.get("low") is None and x.get("high") is None else \
-                f" ({step(x.get('low'))}-{'end' if x.get('high') is None else x['high']})"
-            return step(x["step"]) + edges
-
+        lines = [f"freeze watch ({d['mode']}, {rows[0]['format']}): {len(d['steps'])} watched steps"
+                 + (f" of {d['total_steps']}" if d.get("total_steps") else "")
+                 + f", threshold {d['threshold']:g}; 'since' and 'forecast': the step from which the tensor stays "
+                   f"at or above it",
+                 f"{'tensor':<{width}}  {'size':>11}  {'format':>6}  {'frozen now':>10}  {'since':>6}  "
+                 f"{'forecast (band)':>16}  diagnosis"]
         for r in rows:
             now = "-" if r["frozen_now"] is None else f"{r['frozen_now']:.3f}"
+            ahead = _band(r["forecast"]) if d["mode"] == "predict" else "n/a"
             lines.append(f"{r['tensor']:<{width}}  {r['size']:>11,}  {r['format']:>6}  {now:>10}  "
-                         f"{step(r['frozen_since']):>6}  {band(r['forecast']) if d['mode'] == 'predict' else 'n/a':>16}  "
-                         f"{r['diagnosis']}")
-        if d["diagnoses"]:
-            lines.append("")
-            lines += group_lines(d["diagnoses"])      # one line for the tensors that share a diagnosis
-        text = "\n".join(lines)
+                         f"{_step(r['frozen_since']):>6}  {ahead:>16}  {r['diagnosis']}")
+        text = "\n".join(lines + ([""] + group_lines(d["diagnoses"]) if d["diagnoses"] else []))
         if show:
             print(text)
         return text
 
     def plot(self, fmt=None, ax=None):
+        """The frozen fraction of each group of tensors over the steps, the forecast dashed."""
         import matplotlib.pyplot as plt
-
-        f = self._fmt(fmt)
-        d = self.data
-        rec, sizes = d["records"][f], d["sizes"]
-        if ax is None:
-            _, ax = plt.subplots(figsize=(8, 4))
         from lowprec_demo.common.style import series_style
-
+        f, d = self._fmt(fmt), self.data
+        rec, sizes = d["records"][f], d["sizes"]
+        ax = plt.subplots(figsize=(8, 4))[1] if ax is None else ax
         curves = d["forecast_curves"].get(f, {})
         ahead = sorted(int(s) for s in curves.get("overall", {}))
         groups = {"all": list(sizes), **d["groups"]}
@@ -193,9 +202,8 @@ class WatchReport:
         ax.axhline(d["threshold"], color="0.6", lw=0.8, ls=":")
         if d.get("total_steps"):
             ax.set_xlim(0, d["total_steps"])
-        ax.set_ylim(-0.02, 1.02)
-        ax.set_xlabel("step")
-        ax.set_ylabel(f"fraction frozen ({'predicted' if d['mode'] == 'predict' else 'observed'})")
+        ax.set(ylim=(-0.02, 1.02), xlabel="step",
+               ylabel=f"fraction frozen ({'predicted' if d['mode'] == 'predict' else 'observed'})")
         ax.set_title(f"freeze watch, {f}" + (" (dashed: forecast)" if ahead else ""), fontsize=10)
         ax.legend(frameon=False, fontsize=8)
         return ax

@@ -1,8 +1,7 @@
-"""Which elements the freeze watch follows: :class:`SamplePlan` in one process (every element, or
-an evenly strided sample of a large tensor, the same elements every step) and, under FSDP2,
-:class:`ShardedSamplePlan` (on each process those of them in its pieces, found with
-``lowprec_demo.optim.sharding``); the counts of all processes are added with one ``all_reduce``
-per watched step, so that every process holds the single-process report."""
+"""Which elements the freeze watch follows: every element of a tensor of up to ``sample``, else an evenly strided
+sample, the same every step (:class:`SamplePlan`), all laid end to end so that each computation runs once and
+per-tensor sums come from one pass. Under FSDP2 each process takes those in its pieces (:class:`ShardedSamplePlan`),
+and one ``all_reduce`` per watched step adds the counts."""
 
 from __future__ import annotations
 
@@ -15,9 +14,13 @@ from lowprec_demo.optim.sharding import local_part, check_placements, flat_offse
 __all__ = ["SamplePlan", "ShardedSamplePlan"]
 
 
+def _stride(n: int, sample: Optional[int]) -> int:
+    """1 for a tensor of up to ``sample`` elements, else the stride of an even sample."""
+    return 1 if sample is None or n <= sample else -(-n // sample)
+
+
 def _end_to_end(parts: List[torch.Tensor], out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The flat ``parts`` laid end to end, in their dtype (float64 where they differ), into
-    ``out`` when it has that dtype and length (one buffer, step after step)."""
+    """The flat ``parts`` end to end (float64 where dtypes differ), into ``out`` when it fits."""
     dtype = parts[0].dtype
     if any(p.dtype != dtype for p in parts):
         dtype = torch.float64
@@ -28,48 +31,35 @@ def _end_to_end(parts: List[torch.Tensor], out: Optional[torch.Tensor] = None) -
 
 
 class SamplePlan:
-    """Which elements of each tracked tensor the freeze watch follows in one process: all of
-    them, or for a tensor larger than ``sample`` an evenly strided ``sample`` of them (the same
-    elements every step).
-    Everything the watch computes runs once over the followed elements of all tensors laid end
-    to end, and per-tensor sums come from one ``bincount``."""
+    """The followed elements of each tensor in one process (see the module docstring)."""
 
     def __init__(self, tensors: List[torch.Tensor], sample: Optional[int]) -> None:
-        self.strides, self.counts = [], []
-        for t in tensors:
-            n = t.numel()
-            stride = 1 if sample is None or n <= sample else -(-n // sample)
-            self.strides.append(stride)
-            self.counts.append(len(range(0, n, stride)))
+        self.strides = [_stride(t.numel(), sample) for t in tensors]
+        self.counts = [len(range(0, t.numel(), s)) for t, s in zip(tensors, self.strides)]
         device = tensors[0].device if tensors else "cpu"
-        self.tensor_id = torch.repeat_interleave(torch.arange(len(tensors), dtype=torch.int32, device=device),
-                                                 torch.tensor(self.counts, device=device))
-        self.ends = torch.cumsum(torch.tensor(self.counts, device=device), 0) - 1   # every count is >= 1
-        self._views: Optional[List[torch.Tensor]] = None
-        self._view_key: Optional[List[int]] = None
+        counts = torch.tensor(self.counts, device=device)
+        self.tensor_id = torch.repeat_interleave(torch.arange(len(tensors), dtype=torch.int32, device=device), counts)
+        self.ends = torch.cumsum(counts, 0) - 1   # every count is >= 1
+        self._views = self._view_key = None       # flat views of the parameters, and where they were
 
     def gather(self, tensors: List[torch.Tensor], out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """The followed elements, end to end (into ``out`` when it fits: one buffer, step after step)."""
+        """The followed elements, end to end (into ``out`` when it fits)."""
         return _end_to_end([t.reshape(-1)[::s] for t, s in zip(tensors, self.strides)], out)
 
     def gather_params(self, params: List[torch.Tensor], out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """:meth:`gather` of the tracked parameters, through flat views of them made once (a
-        parameter's storage stays where it is while an optimizer steps it in place); made again
-        when a parameter has moved, and not used for a parameter that has no flat view."""
+        """:meth:`gather` through flat views of the parameters, made again when one has moved."""
         where = [p.data_ptr() for p in params]
         if where != self._view_key:
-            try:
+            try:      # none where a parameter is not contiguous, or where the dtypes differ
                 views = [p.detach().view(-1)[::s] for p, s in zip(params, self.strides)]
-            except RuntimeError:      # not contiguous: no flat view
-                views = None
-            if views is not None and any(v.dtype != views[0].dtype for v in views):
+                views = None if any(v.dtype != views[0].dtype for v in views) else views
+            except RuntimeError:
                 views = None
             self._views, self._view_key = views, where
         return self.gather(params, out) if self._views is None else _end_to_end(self._views, out)
 
     def per_tensor(self, values: torch.Tensor) -> torch.Tensor:
-        """Per tensor, the sum of ``values`` (bool or float) over its followed elements, float64:
-        a running sum, read at the end of every tensor's stretch (exact for counts)."""
+        """Per tensor, the float64 sum of ``values`` (bool or float) over its followed elements."""
         exact = torch.int64 if values.dtype == torch.bool else torch.float64
         total = values.cumsum(0, dtype=exact)[self.ends]
         return torch.diff(total, prepend=total.new_zeros(1)).double()
@@ -85,36 +75,27 @@ class SamplePlan:
 
     @staticmethod
     def reduce(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
-        """One process holds everything: the tensors as they are (see
-        :meth:`ShardedSamplePlan.reduce`)."""
+        """The tensors as they are: one process holds everything."""
         return tensors
 
 
 class ShardedSamplePlan:
-    """The freeze watch's sample plan for sharded tensors: the elements a single process follows
-    (every element of a tensor of up to ``sample``, else every ``stride``-th of the flat whole
-    tensor), of which each process takes those in its pieces. ``counts`` are the whole
-    tensors' (what fractions are taken of), ``tensor_id`` the local elements'; per-tensor sums
-    are local until :meth:`reduce` adds those of every process (one ``all_reduce``)."""
+    """:class:`SamplePlan`'s elements in this process's pieces: ``counts`` are the whole tensors',
+    ``tensor_id`` the local elements', per-tensor sums local until :meth:`reduce`."""
 
     def __init__(self, tensors: List[torch.Tensor], sample: Optional[int]) -> None:
         import torch.distributed as dist
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("sharded (DTensor) parameters need the process group: call "
                                "torch.distributed.init_process_group first")
-        self.strides, self.counts, self.firsts, self.local_counts = [], [], [], []
         for t in tensors:
             check_placements(t)
         self.counted_here = [counts_here(t) for t in tensors]
-        for t, here in zip(tensors, self.counted_here):
-            n = t.numel()
-            stride = 1 if sample is None or n <= sample else -(-n // sample)
-            self.strides.append(stride)
-            self.counts.append(len(range(0, n, stride)))
-            m = local_part(t).numel() if here else 0
-            first = (-flat_offset(t)) % stride
-            self.firsts.append(first)
-            self.local_counts.append(len(range(first, m, stride)))
+        self.strides = [_stride(t.numel(), sample) for t in tensors]
+        self.counts = [len(range(0, t.numel(), s)) for t, s in zip(tensors, self.strides)]
+        self.firsts = [(-flat_offset(t)) % s for t, s in zip(tensors, self.strides)]
+        self.local_counts = [len(range(f, local_part(t).numel() if here else 0, s))
+                             for t, f, s, here in zip(tensors, self.firsts, self.strides, self.counted_here)]
         self.device = local_part(tensors[0]).device if tensors else torch.device("cpu")
         self.tensor_id = torch.repeat_interleave(torch.arange(len(tensors), dtype=torch.int32, device=self.device),
                                                  torch.tensor(self.local_counts, device=self.device))
@@ -133,8 +114,7 @@ class ShardedSamplePlan:
 
     def grads(self, params: Sequence[torch.Tensor]) -> torch.Tensor:
         """The gradients at the followed elements (zeros for a parameter without one)."""
-        grads = [p.grad if p.grad is not None else torch.zeros_like(local_part(p)) for p in params]
-        return self.gather(grads)
+        return self.gather([p.grad if p.grad is not None else torch.zeros_like(local_part(p)) for p in params])
 
     def per_tensor(self, values: torch.Tensor) -> torch.Tensor:
         """Per tensor, the sum of ``values`` over this process's followed elements, float64."""
@@ -142,13 +122,11 @@ class ShardedSamplePlan:
         return out.index_add_(0, self._index, values.to(torch.float64))
 
     def row_flags(self, param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-        """For an embedding: 1.0 for each row of the whole table that has a gradient in this
-        process's piece (float64, the table's length: added over processes by :meth:`reduce`)."""
+        """For an embedding: 1.0 per row of the whole table with a gradient in this piece."""
         start, count = row_range(param)
         flags = torch.zeros(param.shape[0], dtype=torch.float64, device=self.device)
-        g = local_part(grad)
         if count and counts_here(param):
-            flags[start:start + count] = g.reshape(count, -1).ne(0).any(1).to(torch.float64)
+            flags[start:start + count] = local_part(grad).reshape(count, -1).ne(0).any(1).to(torch.float64)
         return flags
 
     def reduce(self, tensors: List[torch.Tensor]) -> List[torch.Tensor]:

@@ -1,30 +1,17 @@
-"""A freeze plan: a remedy only for the tensors that need one.
+"""A freeze plan: a remedy only for the tensors that need one, applied by
+``LowPrecisionOptimizer(optimizer, fmt, plan=plan)`` or :func:`~lowprec_demo.monitor.integrations.attach_plan`.
 
-The freeze watch knows, per tensor, what cannot move now and what its forecast says will freeze
-before the run ends. :func:`make_plan` (``watch.plan(fmt)``) turns that into a
-:class:`FreezePlan`: per tensor one of :data:`PLAN_REMEDIES`, with the reason.
+:func:`make_plan` (``watch.plan(fmt)``) gives each tensor the freeze watch follows one of
+:data:`PLAN_REMEDIES` with the reason, serving them in order of need (those that cannot move,
+then those frozen now, then by forecast freeze step, the smaller first at a tie) while the
+``budget`` of extra bytes per watched parameter (``plan.bytes_per_parameter()["extra"]``) lasts:
 
-* ``"nearest"``: round to nearest. A tensor whose forecast band does not reach the threshold
-  before the run's end keeps it: it costs nothing.
-* ``"master"``: a float32 master copy (4 bytes an element more). Given first to the tensors that
-  cannot move at all (every update below half a gap since the first watched step): a master
-  copy keeps every one of those updates, where the Kahan buffer on the format's grid loses
-  those below ``2^-(m+2)`` of a gap and stochastic rounding moves the weight by a whole gap on
-  the rare step it moves.
-* ``"kahan"``: Kahan compensation, its buffer on the format's grid when the format has at least
-  7 mantissa bits (2 bytes in bf16, as torch-optimi keeps it), in float32 otherwise. Given to
-  the tensors forecast to freeze (or frozen now), earliest first.
-* ``"stochastic"``: stochastic rounding, no byte more. Where the byte budget is spent, the
-  tensors left that need a remedy take it.
-
-The budget (``budget``, 1 byte per parameter by default) is counted over all the parameters the
-watch follows: ``plan.bytes_per_parameter()["extra"]`` stays at or below it. Tensors are served
-in order of need: those that cannot move, then those frozen now, then by forecast freeze step,
-the smaller first at a tie.
-
-``LowPrecisionOptimizer(optimizer, fmt, plan=plan)`` applies a plan, and
-:func:`~lowprec_demo.integrations.attach_plan` applies one to an optimizer a training loop already
-steps (the callbacks' ``plan_after=k``).
+* ``"master"``, a float32 master copy (4 bytes an element), to the tensors that cannot move at
+  all (every update below half a gap): it keeps every update, where a Kahan buffer on the format's grid loses those
+  below ``2^-(m+2)`` of a gap and stochastic rounding moves the weight a whole gap on the rare step it moves;
+* ``"kahan"``, Kahan compensation (:func:`kahan_buffer_format`), to those frozen now or forecast
+  to freeze before the run ends;
+* ``"stochastic"`` (no byte more) to those left once the budget is spent, ``"nearest"`` to the others.
 
 Example:
     >>> p = FreezePlan("bf16", {"w": "master", "b": "nearest"}, sizes={"w": 10, "b": 30})
@@ -37,43 +24,31 @@ Example:
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from lowprec_demo.formats import FloatFormat, get_format
+from lowprec_demo.formats import get_format
 from lowprec_demo.common.output import atomic_write_json
 
 __all__ = ["FreezePlan", "PLAN_REMEDIES", "make_plan", "load_plan", "kahan_buffer_format", "resolve_plan"]
 
 PLAN_REMEDIES = ("nearest", "stochastic", "kahan", "master")
-_EXTRA_MASTER = 4.0     # a float32 master copy, bytes per element
 
 
 def kahan_buffer_format(fmt) -> Optional[str]:
-    """The format a plan keeps a Kahan buffer in: the weights' own when it has at least 7
-    mantissa bits (bf16, fp16), else None (float32: a buffer of 3 mantissa bits keeps too little
-    of the residual). Example: ``kahan_buffer_format("bf16")`` -> ``'bf16'``."""
+    """A plan's Kahan buffer format: the weights' own with 7 mantissa bits or more (bf16: 2 bytes, as
+    torch-optimi keeps it), else None (float32: 3 mantissa bits keep too little of the residual)."""
     f = get_format(fmt)
     return f.name if f.man_bits >= 7 else None
 
 
 @dataclass
 class FreezePlan:
-    """Per tensor (by parameter name) the remedy of :data:`PLAN_REMEDIES` and why.
-
-    Attributes:
-        format: the storage format the plan is for (a name).
-        remedies: ``{name: remedy}``, in the optimizer's parameter order.
-        reasons: ``{name: plain words}``.
-        sizes: element counts; ``shapes`` the shapes; ``positions`` each tensor's index among
-            the optimizer's parameters (how a plan finds its tensors without the model).
-        kahan_format: the Kahan buffer's format (None: float32).
-        budget: the extra bytes per parameter the plan was allowed.
-        needs: the tensors that need a remedy, in order of need, each
-            ``{"tensor", "remedy" (the one it should get), "why"}`` (see :meth:`allocate`).
-        step, total_steps: the watched step it was made at, and the run's length.
-    """
+    """For the storage ``format``, per tensor (by parameter name, in the optimizer's order) the remedy (``remedies``),
+    why (``reasons``), ``sizes``, ``shapes`` and ``positions`` among the optimizer's parameters (to find them without
+    the model); ``kahan_format`` (None: float32); the extra bytes per parameter allowed (``budget``); ``needs``, in
+    order of need, ``{"tensor", "remedy" (the one it should get), "why"}``; the watched ``step`` and ``total_steps``."""
 
     format: str
     remedies: Dict[str, str]
@@ -91,32 +66,25 @@ class FreezePlan:
         self.format = get_format(self.format).name            # a ValueError names the valid formats
         if not isinstance(self.remedies, dict) or not self.remedies:
             raise ValueError("a plan needs at least one tensor: remedies={name: remedy}")
-        bad = {n: r for n, r in self.remedies.items() if r not in PLAN_REMEDIES}
-        if bad:
+        if bad := {n: r for n, r in self.remedies.items() if r not in PLAN_REMEDIES}:
             raise ValueError(f"a plan's remedies must be one of {', '.join(PLAN_REMEDIES)}; got {bad}")
-        if self.kahan_format == "auto":
-            self.kahan_format = kahan_buffer_format(self.format)
-        elif self.kahan_format is not None:
-            self.kahan_format = get_format(self.kahan_format).name
-        missing = [n for n in self.remedies if n not in self.sizes]
-        if missing and self.sizes:
+        if self.kahan_format is not None:
+            self.kahan_format = (kahan_buffer_format(self.format) if self.kahan_format == "auto"
+                                 else get_format(self.kahan_format).name)
+        if (missing := [n for n in self.remedies if n not in self.sizes]) and self.sizes:
             raise ValueError(f"sizes has no entry for {missing}")
 
     def allocate(self, order: Optional[List[str]] = None) -> "FreezePlan":
-        """A plan with the budget given out along ``order`` (the tensors of :attr:`needs`; None:
-        their order of need): each takes the remedy it should get while the bytes left allow
-        (a master copy that does not fit falls back to a Kahan buffer), stochastic rounding
-        after that; tensors outside :attr:`needs` keep their remedy. ``order=`` lets a control
-        give the same budget in another order."""
+        """A plan with the budget given out along ``order`` (of the tensors of ``needs``; None: theirs;
+        another makes a control): each takes its remedy while the bytes left allow (a master copy
+        falls back to a Kahan buffer), stochastic rounding after that; the others keep theirs."""
         if self.budget is None:
             raise ValueError("allocate needs the plan's budget (a plan made by watch.plan)")
         by = {d["tensor"]: d for d in self.needs}
         order = list(by) if order is None else list(order)
         if sorted(order) != sorted(by):
             raise ValueError("order must list exactly the tensors of needs")
-        out = FreezePlan(self.format, dict(self.remedies), dict(self.reasons), dict(self.sizes), dict(self.shapes),
-                         dict(self.positions), self.kahan_format, self.budget, self.step, self.total_steps,
-                         [dict(d) for d in self.needs])
+        out = FreezePlan(**asdict(self))
         left = float(self.budget) * sum(self.sizes.values())
         for n in order:
             preferred, size = by[n]["remedy"], self.sizes[n]
@@ -142,24 +110,19 @@ class FreezePlan:
 
     def extra_bytes(self, remedy: str) -> float:
         """What ``remedy`` stores per element beyond the weight itself."""
-        if remedy == "master":
-            return _EXTRA_MASTER
         if remedy == "kahan":
             return get_format(self.kahan_format).bits / 8 if self.kahan_format else 4.0
-        return 0.0
+        return 4.0 if remedy == "master" else 0.0     # a float32 master copy
 
     def bytes_per_parameter(self) -> dict:
-        """Per element of the plan's tensors: ``weights`` (the format's width), ``master``,
-        ``compensation``, their ``total``, and ``extra`` (what the plan stores beyond round to
-        nearest everywhere). The optimizer's own state (Adam's moments) is left out: it is the
-        same with or without the plan."""
+        """Per element of the plan's tensors: ``weights``, ``master``, ``compensation``, ``extra`` (their
+        sum: beyond round to nearest everywhere), ``total`` (the optimizer's state left out)."""
         sizes = self.sizes or {n: 1 for n in self.remedies}
         count = sum(sizes.values())
         out = {"weights": get_format(self.format).bits / 8, "master": 0.0, "compensation": 0.0}
         for n, r in self.remedies.items():
-            key = {"master": "master", "kahan": "compensation"}.get(r)
-            if key:
-                out[key] += sizes[n] * self.extra_bytes(r) / count
+            if r in ("master", "kahan"):
+                out["master" if r == "master" else "compensation"] += sizes[n] * self.extra_bytes(r) / count
         out["extra"] = out["master"] + out["compensation"]
         out["total"] = out["weights"] + out["extra"]
         return out
@@ -177,30 +140,25 @@ class FreezePlan:
                  + (f" (budget {self.budget:g})" if self.budget is not None else ""),
                  "  " + ", ".join(f"{r}: {t} tensors, {e:,} elements" for r, (t, e) in self.counts().items() if t),
                  "| tensor | elements | remedy | why |", "|---|---|---|---|"]
-        for n, r in self.remedies.items():
-            lines.append(f"| {n} | {self.sizes.get(n, 0):,} | {r} | {self.reasons.get(n, '')} |")
+        lines += [f"| {n} | {self.sizes.get(n, 0):,} | {r} | {self.reasons.get(n, '')} |"
+                  for n, r in self.remedies.items()]
         text = "\n".join(lines)
         if show:
             print(text)
         return text
 
     def to_dict(self) -> dict:
-        return {"kind": "lowprec_demo.freeze_plan", "format": self.format, "remedies": dict(self.remedies),
-                "reasons": dict(self.reasons), "sizes": dict(self.sizes),
-                "shapes": {n: list(s) for n, s in self.shapes.items()}, "positions": dict(self.positions),
-                "kahan_format": self.kahan_format, "budget": self.budget, "step": self.step,
-                "total_steps": self.total_steps, "needs": [dict(d) for d in self.needs]}
+        return {"kind": "lowprec_demo.freeze_plan", **asdict(self),
+                "shapes": {n: list(s) for n, s in self.shapes.items()}}
 
     @classmethod
     def from_dict(cls, d: dict) -> "FreezePlan":
         if not isinstance(d, dict) or d.get("kind") != "lowprec_demo.freeze_plan":
             raise ValueError("not a freeze plan (a dict written by FreezePlan.to_dict, kind 'lowprec_demo.freeze_plan')")
-        return cls(format=d["format"], remedies=d["remedies"], reasons=d.get("reasons", {}),
-                   sizes={n: int(v) for n, v in d.get("sizes", {}).items()},
-                   shapes={n: list(v) for n, v in d.get("shapes", {}).items()},
-                   positions={n: int(v) for n, v in d.get("positions", {}).items()},
-                   kahan_format=d.get("kahan_format"), budget=d.get("budget"), step=d.get("step"),
-                   total_steps=d.get("total_steps"), needs=[dict(x) for x in d.get("needs", [])])
+        return cls(d["format"], d["remedies"], d.get("reasons", {}), needs=[dict(x) for x in d.get("needs", [])],
+                   **{k: {n: f(v) for n, v in d.get(k, {}).items()} for k, f in (("sizes", int), ("shapes", list),
+                                                                                ("positions", int))},
+                   **{k: d.get(k) for k in ("kahan_format", "budget", "step", "total_steps")})
 
     def save(self, path) -> Path:
         """Write the plan as JSON, atomically."""
@@ -214,46 +172,38 @@ def load_plan(path) -> FreezePlan:
 
 def make_plan(watch, fmt=None, budget: float = 1.0, threshold: Optional[float] = None,
               total_steps: Optional[int] = None, kahan_format="auto") -> FreezePlan:
-    """The plan of a watch in prediction mode for format ``fmt`` (its first when None), from its
-    diagnoses and its forecast (see the module docstring for the rule). ``budget``: extra bytes
-    per parameter allowed over round to nearest everywhere; ``threshold`` and ``total_steps`` as
-    for the forecast; ``kahan_format``: the Kahan buffer's format (``"auto"``: see
-    :func:`kahan_buffer_format`; None: float32)."""
+    """The plan (the module docstring's rule) of a watch in prediction mode for ``fmt`` (None: its
+    first), from its diagnoses and forecast; ``kahan_format``: ``"auto"``, a format, None (float32)."""
     if watch.mode != "predict":
         raise ValueError("a plan is made from the forecast of a float32 run (the watch in prediction mode); this "
                          "watch observes parameters stored in low precision")
     if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget >= 0:
         raise ValueError(f"budget must be a number of bytes per parameter >= 0, got {budget!r}")
-    rec = watch.record(fmt)
-    f = rec.format
+    f = watch.record(fmt).format
     fc = watch.forecast(f, threshold, total_steps)
     total = total_steps if total_steps is not None else watch.total_steps
-    plan = FreezePlan(f, {n: "nearest" for n in watch.tracked}, kahan_format=kahan_format, budget=float(budget),
-                      sizes={n: watch.sizes[n] for n in watch.tracked}, step=watch.steps[-1], total_steps=total,
-                      shapes={n: list(watch.shape_of(n)) for n in watch.tracked},
-                      positions={n: watch.names.index(n) for n in watch.tracked})
+    plan = FreezePlan(f, {n: "nearest" for n in watch.tracked}, {}, {n: watch.sizes[n] for n in watch.tracked},
+                      {n: list(watch.shape_of(n)) for n in watch.tracked},
+                      {n: watch.names.index(n) for n in watch.tracked}, kahan_format, float(budget), watch.steps[-1],
+                      total)
     held = {d.tensor: d for d in watch.diagnoses()
             if d.kind in ("cannot_move", "frozen") and d.numbers.get("format") == f}
     needs = []      # (order of need, size, name, preferred remedy, why)
     for n in watch.tracked:
-        band = fc["by_tensor"][n]
+        band, numbers = fc["by_tensor"][n], held[n].numbers if n in held else {}
         if n in held and held[n].kind == "cannot_move":
-            needs.append(((0, 0), watch.sizes[n], n, "master",
-                          f"cannot move: at least {held[n].numbers['frozen']:.1%} of its updates below half a gap on "
-                          f"every watched step"))
+            needs.append(((0, 0), watch.sizes[n], n, "master", f"cannot move: at least {numbers['frozen']:.1%} of "
+                          f"its updates below half a gap on every watched step"))
         elif n in held:
-            needs.append(((1, 0), watch.sizes[n], n, "kahan",
-                          f"frozen now: {held[n].numbers['frozen']:.1%} held for the last {held[n].numbers['steps']} "
-                          f"watched steps"))
+            needs.append(((1, 0), watch.sizes[n], n, "kahan", f"frozen now: {numbers['frozen']:.1%} held for the "
+                          f"last {numbers['steps']} watched steps"))
         elif band["low"] is not None:
-            at = band["step"] if band["step"] is not None else band["low"]
+            at = band["low"] if band["step"] is None else band["step"]
             high = "the end" if band["high"] is None else band["high"]
-            if at <= watch.steps[-1]:
-                why = f"frozen since step {at} (at least {watch.threshold:.0%} held from then on)"
-            elif band["step"] is None:
-                why = f"forecast to freeze after the run, the band's early edge at step {band['low']} of {total}"
-            else:
-                why = f"forecast to freeze at step {at} (band {band['low']}-{high}) of {total}"
+            why = (f"frozen since step {at} (at least {watch.threshold:.0%} held from then on)" if at <= watch.steps[-1]
+                   else f"forecast to freeze after the run, the band's early edge at step {band['low']} of {total}"
+                   if band["step"] is None else
+                   f"forecast to freeze at step {at} (band {band['low']}-{high}) of {total}")
             needs.append(((2, at), watch.sizes[n], n, "kahan", why))
         else:
             plan.reasons[n] = f"forecast not to freeze within the run's {total} steps"
@@ -263,9 +213,8 @@ def make_plan(watch, fmt=None, budget: float = 1.0, threshold: Optional[float] =
 
 
 def resolve_plan(plan: FreezePlan, optimizer_params: list, model=None) -> Dict[int, str]:
-    """``{id(param): remedy}`` for the optimizer's parameters the plan names: by name through
-    ``model.named_parameters()`` when a model is given, else by the plan's recorded positions
-    among the optimizer's non-empty parameters, each checked against its recorded shape."""
+    """``{id(param): remedy}`` of the plan's tensors: by name in ``model``, else by recorded position
+    among the optimizer's non-empty parameters; each checked against its recorded shape."""
     out = {}
     if model is not None:
         named = dict(model.named_parameters())
@@ -274,12 +223,12 @@ def resolve_plan(plan: FreezePlan, optimizer_params: list, model=None) -> Dict[i
             if n not in named:
                 raise ValueError(f"the plan names {n!r}, which is not a parameter of the model; the model has "
                                  f"{', '.join(list(named)[:8])}{', ...' if len(named) > 8 else ''}")
-            p = named[n]
-            if id(p) not in in_opt:
+            if id(named[n]) not in in_opt:
                 raise ValueError(f"the plan names {n!r}, which the optimizer does not train")
-            if n in plan.shapes and list(p.shape) != list(plan.shapes[n]):
-                raise ValueError(f"the plan was made for {n!r} of shape {plan.shapes[n]}; the model's is {list(p.shape)}")
-            out[id(p)] = r
+            if n in plan.shapes and list(named[n].shape) != list(plan.shapes[n]):
+                raise ValueError(f"the plan was made for {n!r} of shape {plan.shapes[n]}; the model's is "
+                                 f"{list(named[n].shape)}")
+            out[id(named[n])] = r
         return out
     order = [p for p in optimizer_params if p.numel() > 0]
     for n, r in plan.remedies.items():

@@ -1,9 +1,11 @@
 """Rounding onto a format's grid, bit for bit, and the freeze rule.
 
-``quantize`` and ``quantize_`` round to nearest (ties to even) or stochastically; ``ulp`` is the
-gap at a value; ``would_freeze``, ``move_probability`` and ``update_ulp_ratio`` apply the freeze
-rule to a weight and an update. ``rule`` writes the rule once, ``bits`` holds the integer kernels
-on float32 bit patterns, and ``kernels`` compiles them or runs them eagerly.
+``quantize`` and ``quantize_`` round to nearest (ties to even) or stochastically; ``ulp`` is the gap at a value;
+``would_freeze``, ``move_probability`` and ``update_ulp_ratio`` apply the freeze rule to a weight and an update (all
+in ``core``). Underneath, ``rule`` writes the rule once, ``bits`` holds the kernels, and ``kernels`` compiles them or
+runs them eagerly. The rule and the kernels work on the bit patterns of float32 or float64 tensors with integer
+operations and exact floating-point ones, so they give the same bits eagerly and under ``torch.compile`` (whose C++ is
+built with ``-fno-signed-zeros``, and whose Triton divides approximately unless told otherwise).
 
 Example:
     >>> import torch

@@ -1,24 +1,12 @@
-"""Running the kernels of :mod:`lowprec_demo.bit_kernels`: compiled where it pays, else eagerly.
+"""Running the kernels of :mod:`lowprec_demo.rounding.bits`: compiled where it pays, else eagerly.
 
-One switch: ``LOWPREC_FUSED`` (environment) or :func:`set_mode`: ``"off"`` never compiles, ``"on"``
-compiles every kernel for tensors of 2 or more elements, ``"auto"`` (default) compiles a kernel
-once its eager work, this call included, reaches :data:`EAGER_BUDGET` elements (a single call that
-large compiles at once). Each kernel is compiled once per process and device type where it is
-first called (``torch.compile(fullgraph=True, dynamic=True)``: one version per setting of its
-Python options and per dtypes of its arguments); if compiling fails (no C++ compiler, an
-unsupported platform), the same function runs eagerly from then on and :func:`status` says why.
-The results are the same bits in every mode.
-
-Compiling every kernel costs 6-13 s once per process on the CPUs of the stored benchmarks (the
-lower figure once inductor's disk cache is warm), and up to 90 s on the slowest of them with that
-cache empty. The eager functions, run in slices of :data:`EAGER_CHUNK` elements while the slice is
-in the cache, cost about 10 (round to nearest) to 20 (stochastic rounding) ns an element more than
-the compiled ones on the faster CPUs, 17 and 34 on the slowest (``benchmarks/README.md``), so
-compiling pays after about 2**28 to 2**31 elements; the budget leans toward compiling early: a
-chapter that rounds a few tensors never waits for it, a GPT-2 step compiles at once.
-
-The entry points (:func:`nearest`, :func:`stochastic`, :func:`freeze_code`, :func:`watch_code`,
-...) take a format and make the kernels' integer parameters once per format and device.
+One switch, ``LOWPREC_FUSED`` (environment) or :func:`set_mode`: ``"off"`` never compiles, ``"on"`` compiles every
+kernel for tensors of 2 or more elements, ``"auto"`` (default) compiles a kernel once its eager work, this call
+included, reaches :data:`EAGER_BUDGET` elements. Compiling costs seconds once per process and variant (device type,
+options, argument dtypes), the eager functions (in cache-sized slices of :data:`EAGER_CHUNK`) a few nanoseconds an
+element more (``benchmarks/README.md``): a chapter that rounds a few tensors need not wait for the compiler, a large
+model compiles at once. If compiling fails, the function runs eagerly from then on and :func:`status` says why. The
+entry points take a format and make the kernels' integer parameters once per format and device.
 
 Example:
     >>> import torch
@@ -32,48 +20,49 @@ from __future__ import annotations
 import functools
 import os
 import time
-from typing import Dict, Optional, Sequence
+from typing import Callable, Dict, Optional, Sequence
 
 import torch
 
 from lowprec_demo.rounding import bits
 from lowprec_demo.formats import FloatFormat
-from lowprec_demo.rounding.rule import RATIO_EDGES, gap_options, rule_params
+from lowprec_demo.rounding.rule import LAYOUTS, RATIO_EDGES, RoundParams, gap_options, round_params, rule_params
 
 __all__ = ["MODES", "EAGER_BUDGET", "EAGER_CHUNK", "MAX_NUMEL", "set_mode", "get_mode", "status", "reset",
-           "compile_all", "nearest", "nearest_", "stochastic", "stochastic_", "freeze_code", "freeze_detail",
-           "watch_code", "equal_count", "changed_blocks", "frozen_blocks", "fits", "CODE_LAYOUTS", "BLOCK"]
+           "compile_all", "nearest", "stochastic", "freeze_code", "freeze_detail", "watch_code", "equal_count",
+           "changed_blocks", "frozen_blocks", "fits", "CODE_LAYOUTS", "BLOCK"]
 
 MODES = ("auto", "on", "off")
 EAGER_BUDGET = 1 << 27         # "auto": compile once a kernel's eager work would reach this many elements
 MIN_NUMEL = 2                  # torch.compile specialises sizes 0 and 1: keep those eager
-MAX_NUMEL = bits.MAX_NUMEL      # int32 element indices: larger tensors take the eager float64-style path
+MAX_NUMEL = bits.MAX_NUMEL     # larger tensors run eagerly, slice by slice (the same bits)
 BLOCK = bits.BLOCK
+EAGER_CHUNK = 1 << 18          # eagerly, tensors go in slices this long (the fastest of 2**16 .. 2**19 measured)
 
-# ------------------------------------------------------------------------------------------------
-# running a kernel: compiled when asked or when the work pays for it, else the same function eagerly
-# ------------------------------------------------------------------------------------------------
-EAGER_CHUNK = 1 << 18   # eagerly, tensors go in slices this long (the fastest of 2**16 .. 2**19 here)
+_INDEX_SLOT = RoundParams._fields.index("index_offset")
 
 
+# --- running a kernel: compiled when asked or when the work pays for it, else the same function eagerly ---
 @functools.cache
 def _keep_freed_memory() -> None:
-    """Let the C allocator keep the slices' freed temporaries, once per process. glibc's malloc
-    gives memory freed at the top of its heap back to the system once there is more of it than
-    a threshold (128 KB at first, then twice the largest block it mapped on its own and has
-    freed), so that the next slice takes a page fault for every 4 KB of it that it writes (a
-    third of the eager time here). Mapping and freeing one 16 MB block raises the threshold to
-    32 MB, as in any process that has freed a tensor of that size; other allocators ignore it."""
-    block = torch.empty(1 << 22, dtype=torch.int32)
-    del block
+    """Let the C allocator keep the slices' freed temporaries, once per process: glibc's malloc
+    returns freed memory above a threshold to the system (the next slice then page-faults on
+    it), and mapping and freeing one 16 MB block raises that threshold to 32 MB."""
+    torch.empty(1 << 22, dtype=torch.int32)
 
 
-def _sliced(fn, args: tuple, first: Optional[int] = None, options: Optional[dict] = None):
-    """``fn(*args, **options)`` run eagerly slice by slice: every tensor argument as long as the
-    first one sliced alike, the others whole; with ``first``, the parameter tensor (the last
-    argument) told at that position where each slice starts. Each returned tensor as long as
-    its slice goes straight into one output tensor (while the slice is still in the cache),
-    others are concatenated and 0-dim ones (sums) added in slice order: the bits of one call."""
+def advance_index(p: torch.Tensor, start: int) -> torch.Tensor:
+    """The rounding parameters ``p`` of a slice that starts ``start`` elements in: its
+    ``index_offset`` moved on by ``start`` (modulo 2**32, as the hash reads it)."""
+    p = p.clone()
+    p[_INDEX_SLOT] = (p[_INDEX_SLOT].to(torch.int64) + (start + (1 << 31))) % (1 << 32) - (1 << 31)
+    return p
+
+
+def _sliced(fn, args: tuple, advance: Optional[Callable] = None, options: Optional[dict] = None):
+    """``fn(*args, **options)`` run eagerly slice by slice (the tensors as long as the first
+    argument sliced alike; the parameter tensor, last, by ``advance``): results as long as the
+    slice go into one output while in the cache, others are concatenated or (0-dim) summed."""
     n = args[0].numel()
     options = options or {}
     if n <= EAGER_CHUNK:
@@ -83,9 +72,8 @@ def _sliced(fn, args: tuple, first: Optional[int] = None, options: Optional[dict
     for start in range(0, n, EAGER_CHUNK):
         sliced = [a[start:start + EAGER_CHUNK] if torch.is_tensor(a) and a.dim() and a.numel() == n else a
                   for a in args]
-        if first is not None:
-            sliced[-1] = sliced[-1].clone()
-            sliced[-1][first] += start
+        if advance is not None:
+            sliced[-1] = advance(sliced[-1], start)
         part = fn(*sliced, **options)
         if part is None:
             continue
@@ -108,15 +96,12 @@ def _sliced(fn, args: tuple, first: Optional[int] = None, options: Optional[dict
 
 
 class _Kernel:
-    """A kernel function with its compiled versions (``torch.compile``, one per device type,
-    which makes one version per setting of the keyword options a call passes and per dtypes of
-    its arguments: a variant), the time the first compiled call of each variant took, the calls
-    that ran each way and why compiling failed, if it did. In mode ``"auto"`` each variant
-    counts its own eager work. ``first``: where its parameters hold the index of the first
-    element."""
+    """A kernel function with its compiled versions (per device type), the first compiled call's
+    time and the eager work per variant, the calls each way and why compiling failed, if it did;
+    ``advance`` makes a slice's parameter tensor (the last argument, :func:`advance_index`)."""
 
-    def __init__(self, fn, name: str, first: Optional[int] = None) -> None:
-        self.fn, self.name, self.first = fn, name, first
+    def __init__(self, fn, name: str, advance: Optional[Callable] = None) -> None:
+        self.fn, self.name, self.advance = fn, name, advance
         self.compiled: Dict[str, object] = {}
         self.variants: Dict[tuple, float] = {}   # (device type, options, dtypes): seconds of the first compiled call
         self.failed: Dict[str, str] = {}
@@ -129,7 +114,7 @@ class _Kernel:
         # what torch.compile makes a version for: the options and the arguments' dtypes
         variant = (device, tuple(options.items()), tuple(getattr(a, "dtype", a) for a in args))
         mode = _state["mode"]
-        if (mode != "off" and n >= MIN_NUMEL and device not in self.failed
+        if (mode != "off" and MIN_NUMEL <= n <= MAX_NUMEL and device not in self.failed
                 and (mode == "on" or variant in self.variants or self.eager_numel.get(variant, 0) + n > EAGER_BUDGET)):
             try:
                 start = time.perf_counter()
@@ -145,7 +130,7 @@ class _Kernel:
                 self.compiled.pop(device, None)
         self.eager_numel[variant] = self.eager_numel.get(variant, 0) + n
         self.calls["eager"] += 1
-        return _sliced(self.fn, args, self.first, options) if eager is None else eager()
+        return _sliced(self.fn, args, self.advance, options) if eager is None else eager()
 
     def compiled_call(self, device_type: str):
         """The compiled function for the device type, made (not yet compiled) on first use."""
@@ -170,14 +155,13 @@ def _env_mode() -> str:
 
 _state = {"mode": _env_mode()}
 _KERNELS = {
-    # the rounding kernels take and give bit patterns (see "Bit patterns in and out" above)
+    # the rounding kernels take and give bit patterns (:mod:`lowprec_demo.rounding.bits`)
     "nearest": _Kernel(bits.rne_bits, "nearest"),
     "nearest_": _Kernel(bits.rne_bits_, "nearest_"),
-    "stochastic": _Kernel(bits.sr_bits, "stochastic", first=8),
-    "stochastic_": _Kernel(bits.sr_bits_, "stochastic_", first=8),
-    # five variants (see freeze_code): torch.compile keeps at most eight versions of a function
-    # (torch._dynamo.config.recompile_limit), and the kernels are called without grad, so that
-    # a caller's grad mode does not double them
+    "stochastic": _Kernel(bits.sr_bits, "stochastic", advance_index),
+    "stochastic_": _Kernel(bits.sr_bits_, "stochastic_", advance_index),
+    # five variants (see freeze_code), within torch.compile's eight versions of a function; called
+    # without grad, so that a caller's grad mode does not double them
     "freeze": _Kernel(bits.freeze_code_fp32, "freeze"),
     "watch_code": _Kernel(bits.watch_code_fp32, "watch_code"),
     "freeze_detail": _Kernel(bits.freeze_detail_fp32, "freeze_detail"),
@@ -188,8 +172,7 @@ _KERNELS = {
 
 
 def set_mode(mode: str) -> str:
-    """Choose when compiled kernels are used: ``"auto"``, ``"on"`` or ``"off"``; returns the
-    previous mode. The results are the same bits in every mode.
+    """Choose when compiled kernels are used: ``"auto"``, ``"on"`` or ``"off"``; returns the previous mode.
 
     Example:
         >>> previous = set_mode("off"); set_mode(previous)
@@ -207,10 +190,8 @@ def get_mode() -> str:
 
 
 def status() -> dict:
-    """Which kernels are compiled (per device type), how long their first call took, how many
-    calls ran compiled and eagerly, and why compilation failed, if it did.
-
-    Example: ``status()["mode"]`` -> ``"auto"``."""
+    """Which kernels are compiled (per device type), how long their first calls took, how many
+    calls ran each way, and why compilation failed, if it did."""
     return {"mode": _state["mode"], "torch": torch.__version__,
             "kernels": {name: {"compiled": sorted(k.compile_seconds()), "compile_seconds": k.compile_seconds(),
                                "variants": len(k.variants), "failed": dict(k.failed), "calls": dict(k.calls)}
@@ -220,77 +201,64 @@ def status() -> dict:
 def reset() -> None:
     """Forget compiled kernels, failures and eager work (for tests and benchmarks)."""
     for name, k in list(_KERNELS.items()):
-        _KERNELS[name] = _Kernel(k.fn, name, k.first)
+        _KERNELS[name] = _Kernel(k.fn, name, k.advance)
 
 
-# ------------------------------------------------------------------------------------------------
-# entry points for rounding.py, optimizer.py and prediction.py
-# ------------------------------------------------------------------------------------------------
+# --- entry points for the rounding functions, the optimizer, the predictor and the watch -----------
 _PARAM_CACHE: Dict[tuple, torch.Tensor] = {}
 
 
-def _cached_params(kind: str, fmt: FloatFormat, policy: Optional[str], rand_bits: Optional[int],
-                   device: torch.device, edges: Sequence[int] = RATIO_EDGES) -> torch.Tensor:
-    """The parameter tensor of a format (no seed), made once per device: round to nearest with
-    the overflow ``policy``, or the freeze rule (``policy`` None: the format's own)."""
-    key = (kind, fmt, policy, rand_bits, device, tuple(edges))
+def _cached_params(kind: str, fmt: FloatFormat, overflow: Optional[str], rand_bits: Optional[int],
+                   device: torch.device, edges: Sequence[int] = RATIO_EDGES, dtype=torch.float32) -> torch.Tensor:
+    """The parameter tensor of a format for round to nearest or the rule, made once per device."""
+    key = (kind, fmt, overflow, rand_bits, device, tuple(edges), dtype)
     t = _PARAM_CACHE.get(key)
     if t is None:
-        values = (bits.nearest_params(fmt, policy) if kind == "nearest"
-                  else rule_params(fmt, rand_bits, edges, overflow=policy))
+        layout = LAYOUTS[dtype]
+        values = (round_params(fmt, overflow, layout=layout) if kind == "nearest"
+                  else rule_params(fmt, rand_bits, edges, layout, overflow))
         if len(_PARAM_CACHE) > 256:
             _PARAM_CACHE.clear()
-        t = _PARAM_CACHE[key] = torch.tensor(values, dtype=torch.int32, device=device)
+        t = _PARAM_CACHE[key] = values.tensor(device, layout)
     return t
 
 
-def nearest(x: torch.Tensor, fmt: FloatFormat, policy: str, eager=None) -> torch.Tensor:
-    """RNE of a float32 tensor (any shape and layout) as a new tensor: compiled, or ``eager()``
-    (a float32 result; by default the kernel function itself)."""
-    p = _cached_params("nearest", fmt, policy, None, x.device)
-    flat = x.reshape(-1)
-    out = _KERNELS["nearest"](flat.view(torch.int32), p,
-                              eager=None if eager is None else lambda: eager().view(torch.int32)).view(torch.float32)
+def nearest(x: torch.Tensor, fmt: FloatFormat, overflow: Optional[str] = None, eager=None,
+            inplace: bool = False) -> torch.Tensor:
+    """RNE of a float32 or float64 tensor with the overflow policy ``overflow`` (None: the format's own): a new tensor
+    (``x`` any shape and layout) or, with ``inplace``, written over ``x`` (contiguous). Compiled, or ``eager()`` where
+    given (a result of x's dtype, in place when asked), else the kernel function run eagerly."""
+    p = _cached_params("nearest", fmt, overflow, None, x.device, dtype=x.dtype)
+    itype = LAYOUTS[x.dtype].itype
+    if inplace:
+        _KERNELS["nearest_"](x.view(-1).view(itype), p, eager=eager)
+        return x
+    out = _KERNELS["nearest"](x.reshape(-1).view(itype), p,
+                              eager=None if eager is None else lambda: eager().view(itype)).view(x.dtype)
     return out if out.shape == x.shape else out.view(x.shape)
 
 
-def nearest_(x: torch.Tensor, fmt: FloatFormat, policy: str, eager=None) -> torch.Tensor:
-    """RNE of a contiguous float32 tensor, in place: compiled, or ``eager()``."""
-    p = _cached_params("nearest", fmt, policy, None, x.device)
-    _KERNELS["nearest_"](x.view(-1).view(torch.int32), p, eager=eager)
-    return x
-
-
-def stochastic(x: torch.Tensor, fmt: FloatFormat, policy: str, rand_bits: Optional[int], seed: int,
-               first: int = 0) -> torch.Tensor:
-    """SR of a float32 tensor as a new tensor; element i of ``x`` in row-major order draws the
-    hash of (seed, first + i)."""
-    p = torch.tensor(bits.stochastic_params(fmt, policy, rand_bits, seed, first), dtype=torch.int32, device=x.device)
-    flat = x.reshape(-1)
-    out = _KERNELS["stochastic"](flat.view(torch.int32), p)
-    return out.view(torch.float32).view(x.shape)
-
-
-def stochastic_(x: torch.Tensor, fmt: FloatFormat, policy: str, rand_bits: Optional[int], seed: int,
-                first: int = 0) -> torch.Tensor:
-    """SR of a contiguous float32 tensor, in place (the same bits as :func:`stochastic`)."""
-    p = torch.tensor(bits.stochastic_params(fmt, policy, rand_bits, seed, first), dtype=torch.int32, device=x.device)
-    _KERNELS["stochastic_"](x.view(-1).view(torch.int32), p)
-    return x
+def stochastic(x: torch.Tensor, fmt: FloatFormat, overflow: Optional[str], rand_bits: Optional[int], seed: int,
+               index_offset: int = 0, inplace: bool = False) -> torch.Tensor:
+    """SR of a float32 or float64 tensor as a new tensor, or with ``inplace`` written over ``x``
+    (contiguous); element i of ``x`` in row-major order draws the hash of (seed, index_offset + i)."""
+    layout = LAYOUTS[x.dtype]
+    p = round_params(fmt, overflow, rand_bits, seed, index_offset, layout).tensor(x.device, layout)
+    if inplace:
+        _KERNELS["stochastic_"](x.view(-1).view(layout.itype), p)
+        return x
+    return _KERNELS["stochastic"](x.reshape(-1).view(layout.itype), p).view(x.dtype).view(x.shape)
 
 
 def equal_count(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """:func:`equal_count_fp32` of two flat float32 tensors, compiled or eagerly."""
-    return _KERNELS["equal_count"](a, b)
+    return _KERNELS["equal_count"](a, b)         # bits.equal_count_fp32, compiled or eagerly
 
 
 def changed_blocks(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """:func:`changed_blocks_fp32`, compiled or eagerly."""
     return _KERNELS["changed_blocks"](a, b)
 
 
 def frozen_blocks(codes: torch.Tensor) -> torch.Tensor:
-    """:func:`frozen_blocks_u8`, compiled or eagerly."""
     return _KERNELS["frozen_blocks"](codes)
 
 
@@ -300,21 +268,13 @@ CODE_LAYOUTS = ("codes", "tagged", "paired", "bytes")
 def freeze_code(old: torch.Tensor, new: torch.Tensor, fmt: FloatFormat, edges: Sequence[int], out: torch.Tensor,
                 layout: str = "codes", rand_bits: Optional[int] = None,
                 tags: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """:func:`freeze_code_fp32` of two flat float32 tensors into ``out``, compiled or eagerly,
-    with the ratio bins of ``edges`` (:func:`ratio_bin_params`); returns the sum of the move
-    probabilities (float64, 0-dim). ``layout``:
-
-    * ``"codes"``: one code per element with the few-bit flag (``out`` uint8; ``rand_bits``
-      k, or None: no few-bit prediction, the flag then marks the ratios up to 1/2);
-    * ``"tagged"``: the same or-ed with ``tags`` (``out`` int32; the tags of
-      :meth:`lowprec_demo.packing.Pack.tags`);
-    * ``"paired"`` (an even number of elements) and ``"bytes"``: without the few-bit flag, in
-      the layouts of :func:`pair_pattern` (``out`` uint8), with the kernel's options for the
-      format (:func:`gap_options`).
-
-    The kernel is compiled in five variants: the codes, the tagged codes, and the three
-    settings of :func:`gap_options` for the two layouts without the flag (the codes with the
-    flag take the general gap handling, as few-bit prediction is the rarer case).
+    """:func:`~lowprec_demo.rounding.bits.freeze_code_fp32` of two flat float32 tensors into ``out`` with the ratio
+    bins of ``edges``; returns the sum of the move probabilities (float64, 0-dim). ``layout``: ``"codes"``, one code
+    per element with the few-bit flag for k = ``rand_bits`` (None: the flag marks ratios up to 1/2; ``out`` uint8);
+    ``"tagged"``, the same or-ed with ``tags`` (:meth:`lowprec_demo.optim.packing.Pack.tags`, ``out`` int32);
+    ``"paired"`` (an even length) and ``"bytes"``, without the flag, in the layouts of
+    :func:`~lowprec_demo.rounding.bits.pair_pattern` (``out`` uint8), with the gap options of the format
+    (:func:`~lowprec_demo.rounding.rule.gap_options`): five compiled variants.
     """
     if layout in ("paired", "bytes"):
         p = _cached_params("freeze", fmt, None, None, old.device, edges)
@@ -329,8 +289,8 @@ def freeze_code(old: torch.Tensor, new: torch.Tensor, fmt: FloatFormat, edges: S
 
 def watch_code(old: torch.Tensor, new: torch.Tensor, grad: torch.Tensor, tensor_id: torch.Tensor,
                log_lr: torch.Tensor, fmt: FloatFormat, first_edge: float, bins: int):
-    """The freeze watch's codes and move probabilities of flat float32 tensors, compiled or
-    eagerly (:func:`lowprec_demo.bit_kernels.watch_code_fp32`); ``tensor_id`` int32, ``log_lr``
+    """The freeze watch's codes and move probabilities of flat float32 tensors
+    (:func:`lowprec_demo.rounding.bits.watch_code_fp32`); ``tensor_id`` int32, ``log_lr``
     float32 per tensor (or 0-dim: one for all)."""
     p = _cached_params("freeze", fmt, None, None, old.device)
     return _KERNELS["watch_code"](old, new, grad, tensor_id, log_lr, p, first_edge=first_edge, bins=bins,
@@ -338,25 +298,22 @@ def watch_code(old: torch.Tensor, new: torch.Tensor, grad: torch.Tensor, tensor_
 
 
 def freeze_detail(old: torch.Tensor, new: torch.Tensor, fmt: FloatFormat, overflow: Optional[str] = None):
-    """Per element of two flat float32 tensors, compiled or eagerly: ``(frozen, ratio, stuck)``
-    of the rule (:func:`lowprec_demo.freeze_rule.freeze_elements`) for the update ``new - old``
-    at ``q(old)``, with the overflow policy ``overflow`` (default the format's own) deciding
-    which weight is stuck."""
+    """``(frozen, ratio, stuck)`` of the rule (:func:`lowprec_demo.rounding.rule.freeze_elements`) per element of two
+    flat float32 tensors, for the update ``new - old`` at ``q(old)``, with ``overflow`` (None: the format's policy)."""
     p = _cached_params("freeze", fmt, overflow, None, old.device)
     return _KERNELS["freeze_detail"](old, new, p, **gap_options(fmt))
 
 
 def compile_all(device="cpu") -> dict:
-    """Compile every kernel for ``device`` now (mode "on" for the duration) and return
-    :func:`status`: the first call of each is timed there, or its failure recorded."""
+    """Compile every kernel for ``device`` now and return :func:`status` (first calls timed)."""
     previous = set_mode("on")
     try:
         x = torch.randn(4096, device=device)
         fmt = FloatFormat(5, 3)
         nearest(x, fmt, "inf")
-        nearest_(x.clone(), fmt, "inf")
+        nearest(x.clone(), fmt, "inf", inplace=True)
         stochastic(x, fmt, "inf", None, 1)
-        stochastic_(x.clone(), fmt, "inf", None, 1)
+        stochastic(x.clone(), fmt, "inf", None, 1, inplace=True)
         edges = range(-8, 8)   # (any edges: they are values of the parameter tensor, not of the code)
         codes = torch.empty(4096, dtype=torch.uint8, device=device)
         freeze_code(x, x + 1e-3, fmt, edges, codes)
@@ -378,6 +335,5 @@ def compile_all(device="cpu") -> dict:
 
 
 def fits(x: torch.Tensor, fmt: FloatFormat) -> bool:
-    """Whether the fused kernels handle this tensor and format: float32 values, a format that
-    float32 holds (which quantize has checked already for float32 input)."""
+    """Whether the freeze kernels handle this tensor and format: float32 values, a format float32 holds."""
     return x.dtype == torch.float32 and fmt.e_max + 1 <= 128

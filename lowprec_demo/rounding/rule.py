@@ -1,44 +1,25 @@
-"""The freeze rule, written once: does an update leave a stored weight in place, and how likely
-does stochastic rounding move it.
+"""The freeze rule, written once: whether an update leaves a stored weight in place, and how likely SR moves it.
 
-For a stored weight ``w`` (a value of the format's grid) and an update ``d``:
+For a stored weight ``w`` (a value of the format's grid) and an update ``d``, the gap on the update's side is
+``2**(max(floor(log2|w|), e_min) - m)``, halved moving toward zero from a power of two (inf included; never below the
+subnormal spacing). Round to nearest freezes ``w`` when ``|d| < gap / 2``, or ``|d| == gap / 2`` with ``w`` an even
+multiple of the gap; a *stuck* weight stays whatever the update (``+-max`` of a saturating format under an outward
+update, inf under a finite one or one of its own sign); a NaN weight or update never freezes. Stochastic rounding
+moves it with probability ``min(1, |d| / gap)`` (0 when stuck), with k random bits
+``round_half_even(p * 2**k) / 2**k``, so an update below ``2**-(k+1)`` gaps never moves.
 
-The gap on the update's side
-    ``gap = 2**(max(floor(log2|w|), e_min) - m)``, except moving toward zero from a power of two
-    (inf included), where the grid below is twice as fine: ``gap / 2`` (never below the
-    subnormal spacing ``2**(e_min - m)``).
-Would it freeze (round to nearest)
-    ``|d| < gap / 2``, or ``|d| == gap / 2`` with ``w`` an even multiple of the gap (the tie goes
-    to the even neighbour). A *stuck* weight stays whatever the update's size: ``+-max`` of a
-    saturating format under an outward update, an infinite weight under any finite update (or
-    an infinite one of its own sign). A NaN weight or update never freezes, and its move
-    probability is NaN.
-Move probability (stochastic rounding)
-    ``min(1, |d| / gap)``, 0 for a stuck weight; with k random bits the position in the gap is
-    resolved to k bits, ``round_half_even(p * 2**k) / 2**k``, so that an update below
-    ``2**-(k+1)`` gaps never moves (few-bit SR freezes again).
-The freeze code
-    One byte per element for counting: bit 0 frozen, bit 1 the few-bit flag (``|d|/gap <=
-    2**-(k+1)``), bits 2-7 the bin of ``log2(|d|/gap)`` (:func:`ratio_bin`); without few-bit
-    prediction the bin sits in bits 1-6. :func:`decode_code` reads it back.
-
-Everything is decided on bit patterns of float32 or float64 tensors (:data:`LAYOUTS`) with
-integer operations and exact floating-point ones (comparisons, multiplication by powers of two),
-so the functions give the same bits eagerly and under ``torch.compile`` (inductor compiles C++
-with ``-fno-signed-zeros``; Triton divides approximately unless told otherwise). They are the
-rule behind :func:`lowprec_demo.rounding.would_freeze`, :func:`~lowprec_demo.rounding.move_probability`
-and :func:`~lowprec_demo.rounding.update_ulp_ratio`, the freeze kernel of
-:mod:`lowprec_demo.kernels` (and through it the predictor and the watch), and
-:class:`~lowprec_demo.optimizer.LowPrecisionOptimizer`'s freeze statistics; ``tests/test_freeze_rule_callers.py``
-runs every caller on the format's edges against an exact
-``fractions.Fraction`` reference.
+The functions here, on bit patterns (:data:`LAYOUTS`), are the rule behind ``would_freeze``, ``move_probability``,
+``update_ulp_ratio`` and the freeze kernels of :mod:`~lowprec_demo.rounding.bits`
+(``tests/test_freeze_rule_callers.py`` runs every caller against an exact ``Fraction`` reference). A format reaches
+them and the rounding kernels as named integers (:class:`RuleParams`, :class:`RoundParams`), which a kernel takes as
+one integer tensor: one compiled kernel serves every format and seed.
 
 Example:
     >>> import torch
     >>> from lowprec_demo.formats import get_format
     >>> w, d = torch.tensor([1.0, 1.0, 448.0]), torch.tensor([2**-9, -2**-9, 32.0])
-    >>> p = torch.tensor(rule_params(get_format("e4m3"), None, RATIO_EDGES), dtype=torch.int32)
-    >>> frozen, ratio, stuck = freeze_elements(w.view(torch.int32) & 0x7FFFFFFF, w.view(torch.int32), d, p)
+    >>> q = rule_params(get_format("e4m3"), None, RATIO_EDGES)
+    >>> frozen, ratio, stuck = freeze_elements(w.view(torch.int32) & 0x7FFFFFFF, w.view(torch.int32), d, q)
     >>> frozen.tolist(), stuck.tolist()
     ([True, True, True], [False, False, True])
 """
@@ -46,90 +27,136 @@ Example:
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
-from typing import Dict, Optional, Sequence
+from typing import Dict, NamedTuple, Optional, Sequence
 
 import torch
 
 from lowprec_demo.formats import FloatFormat
 
-__all__ = ["BitLayout", "LAYOUTS", "RATIO_EDGES", "NO_BIN", "rule_params", "ratio_bin_params", "freeze_elements",
-           "gap_exponent", "gap_value", "move_share", "ratio_bin", "code_of", "decode_code", "watch_code", "gap_options", "one_factor_gaps"]
+__all__ = ["BitLayout", "LAYOUTS", "RATIO_EDGES", "NO_BIN", "RoundParams", "RuleParams", "round_params", "rule_params",
+           "ratio_bin_params", "seed_words", "freeze_elements", "gap_exponent", "gap_value", "move_share", "ratio_bin",
+           "code_of", "decode_code", "watch_code", "gap_options"]
 
 # the histogram of log2(|d|/gap): bins between consecutive integers from 2**-24 to 2**8
 RATIO_EDGES = tuple(range(-24, 9))
 NO_BIN = 63                   # the bin of a NaN ratio: counted nowhere
+FULL_RAND_BITS = 32           # stochastic rounding at full resolution: the 32 bits of one hash
 
 
-@dataclass(frozen=True)
-class BitLayout:
-    """The bit layout of a float dtype the rule works on: its integer type, stored mantissa bits
-    and exponent bias. Example: ``LAYOUTS[torch.float32].inf_bits`` -> ``0x7F800000``."""
-
+class BitLayout(NamedTuple):
+    """The bit layout of a float dtype the kernels and the rule work on (:data:`LAYOUTS`): its
+    integer type of the same width, stored mantissa bits P, exponent bias and the bit patterns
+    the kernels use. Example: ``hex(LAYOUTS[torch.float32].inf_bits)`` -> ``'0x7f800000'``."""
     dtype: torch.dtype
     itype: torch.dtype
     man_bits: int
     bias: int
-
-    @property
-    def abs_mask(self) -> int:
-        return (1 << (self.man_bits + self.exponent_bits)) - 1
-
-    @property
-    def exponent_bits(self) -> int:
-        return (2 * self.bias + 1).bit_length()
-
-    @property
-    def inf_bits(self) -> int:
-        return (2 * self.bias + 1) << self.man_bits
-
-    @property
-    def half_bits(self) -> int:
-        return (self.bias - 1) << self.man_bits
+    width: int
+    abs_mask: int           # all bits but the sign
+    sign_bits: int          # the sign bit, as a negative integer of the width
+    inf_bits: int
+    nan_bits: int           # the quiet NaN
+    half_bits: int          # 0.5
 
     def bits(self, value: float) -> int:
         """The bit pattern of ``value`` in this dtype, as a signed integer of its width."""
-        if self.dtype == torch.float32:
-            return struct.unpack("<i", struct.pack("<f", value))[0]
-        return struct.unpack("<q", struct.pack("<d", value))[0]
+        code = "if" if self.width == 32 else "qd"
+        return struct.unpack("<" + code[0], struct.pack("<" + code[1], value))[0]
+
+    def pow2_bits(self, k: int) -> int:
+        """The bit pattern of ``2.0**k``, subnormal or normal (``k`` within the dtype's range)."""
+        biased = k + self.bias
+        return biased << self.man_bits if biased >= 1 else 1 << (biased - 1 + self.man_bits)
 
 
-LAYOUTS: Dict[torch.dtype, BitLayout] = {
-    torch.float32: BitLayout(torch.float32, torch.int32, 23, 127),
-    torch.float64: BitLayout(torch.float64, torch.int64, 52, 1023),
-}
+def _bit_layout(dtype: torch.dtype, itype: torch.dtype, man_bits: int, bias: int) -> BitLayout:
+    width, inf = torch.finfo(dtype).bits, (2 * bias + 1) << man_bits
+    return BitLayout(dtype, itype, man_bits, bias, width, (1 << (width - 1)) - 1, -(1 << (width - 1)), inf,
+                     inf | 1 << (man_bits - 1), (bias - 1) << man_bits)
+
+
+LAYOUTS: Dict[torch.dtype, BitLayout] = {torch.float32: _bit_layout(torch.float32, torch.int32, 23, 127),
+                                         torch.float64: _bit_layout(torch.float64, torch.int64, 52, 1023)}
 _F32 = LAYOUTS[torch.float32]
 
 
-def rule_params(fmt: FloatFormat, rand_bits: Optional[int], edges: Sequence[int],
-                layout: BitLayout = _F32, overflow: Optional[str] = None) -> list:
-    """The rule's parameters as integers (a tensor of ``layout.itype``, so that one compiled
-    kernel serves every format): ``[m, e_min + bias, bits of max, bits of the overflow value,
-    stuck bits, bits of 2**-(k+1), k, stuck limit]`` and the two numbers of
-    :func:`ratio_bin_params`. The stuck weight is the one every outward update leaves in place:
-    the max where the format saturates, inf where it overflows to inf (-1: none, as with NaN);
-    the stuck limit is the bits of inf where any finite update leaves it in place, else 0.
-    ``overflow``: the policy (default the format's own); k = 0: no few-bit prediction.
+class RoundParams(NamedTuple):
+    """What the rounding kernels need of a format, as integers of a :class:`BitLayout`."""
+    man_bits: int          # m, the format's stored mantissa bits
+    emin_biased: int       # e_min + the layout's bias
+    max_bits: int          # the bit pattern of max
+    overflow_bits: int     # the bit pattern of what a value beyond max becomes (the overflow policy's)
+    rand_bits: int         # k, the random bits of stochastic rounding (FULL_RAND_BITS: full resolution)
+    tiny_bits: int         # the bit pattern of the smallest subnormal 2**(e_min - m)
+    seed_lo: int           # the two seed words of seed_words (stochastic rounding only)
+    seed_hi: int
+    index_offset: int      # the index of the first element, as a signed 32-bit number
 
-    Example:
-        >>> from lowprec_demo.formats import get_format
-        >>> rule_params(get_format("bf16"), None, RATIO_EDGES)[:2]
-        [7, 1]
-    """
-    policy = fmt.overflow if overflow is None else overflow
+
+class RuleParams(NamedTuple):
+    """What the freeze rule needs of a format, as integers of a :class:`BitLayout`; the first four
+    are those of :class:`RoundParams` (the freeze kernels round the old weight with them)."""
+    man_bits: int
+    emin_biased: int
+    max_bits: int
+    overflow_bits: int
+    stuck_bits: int        # the weight every outward update leaves in place (-1: none)
+    fewbit_bits: int       # the bit pattern of 2**-(k+1): the few-bit flag's bound
+    rand_bits: int         # k (0: no few-bit prediction)
+    stuck_limit: int       # the bits of inf where any finite update leaves inf in place, else 0
+    bin_offset: int        # bias + the first ratio edge (ratio_bin_params)
+    bins: int              # the number of ratio edges
+
+
+# params.tensor(device, layout): the values as one tensor of the layout's integer type;
+# Params.read(p): the named values of such a tensor (0-dim tensors, read by position here only)
+for _cls in (RoundParams, RuleParams):
+    _cls.tensor = lambda self, device=None, layout=_F32: torch.tensor(self, dtype=layout.itype, device=device)
+    _cls.read = classmethod(lambda cls, p: cls(*[p[i] for i in range(len(cls._fields))]))
+
+
+def _signed32(value: int) -> int:
+    return ((value + (1 << 31)) & 0xFFFFFFFF) - (1 << 31)
+
+
+def seed_words(seed: int, stream: int = 0) -> tuple:
+    """The two 32-bit words (as signed values) the hash mixes in for a 64-bit seed and a stream."""
+    return _signed32(seed), _signed32((seed >> 32) ^ (0x9E3779B9 * (stream + 1)))
+
+
+def _grid(fmt: FloatFormat, overflow: Optional[str], layout: BitLayout) -> tuple:
+    """``(m, e_min + bias, bits of max, bits of the overflow value)``; overflow None: the format's."""
+    overflow = fmt.overflow if overflow is None else overflow
+    top = layout.bits(fmt.max)
+    over = {"inf": layout.inf_bits, "saturate": top, "nan": layout.nan_bits}[overflow]
+    return fmt.man_bits, fmt.e_min + layout.bias, top, over
+
+
+def round_params(fmt: FloatFormat, overflow: Optional[str] = None, rand_bits: Optional[int] = None, seed: int = 0,
+                 index_offset: int = 0, layout: BitLayout = _F32) -> RoundParams:
+    """The rounding kernels' parameters: the grid, the overflow policy (None: the format's own), and for stochastic
+    rounding the random bits (None: full resolution), the seed and the index of the first element."""
+    return RoundParams(*_grid(fmt, overflow, layout), FULL_RAND_BITS if rand_bits is None else rand_bits,
+                       layout.pow2_bits(fmt.e_min - fmt.man_bits), *seed_words(seed), _signed32(index_offset))
+
+
+def rule_params(fmt: FloatFormat, rand_bits: Optional[int], edges: Sequence[int],
+                layout: BitLayout = _F32, overflow: Optional[str] = None) -> RuleParams:
+    """The freeze rule's parameters (:class:`RuleParams`) for k = ``rand_bits`` random bits (None:
+    no few-bit prediction), the ratio bins of ``edges`` and the policy ``overflow`` (None: the
+    format's own), whose stuck weight is max (saturate), inf (inf) or none (nan)."""
+    overflow = fmt.overflow if overflow is None else overflow
+    grid = _grid(fmt, overflow, layout)
     k = 0 if rand_bits is None else rand_bits
-    inf, top = layout.inf_bits, layout.bits(fmt.max)
-    over = {"inf": inf, "saturate": top, "nan": inf | (1 << (layout.man_bits - 1))}[policy]
-    stuck = {"saturate": top, "inf": inf, "nan": -1}[policy]
-    return [fmt.man_bits, fmt.e_min + layout.bias, top, over, stuck, (layout.bias - k - 1) << layout.man_bits, k,
-            inf if policy == "inf" else 0] + ratio_bin_params(edges, layout)
+    stuck = {"saturate": grid[2], "inf": layout.inf_bits, "nan": -1}[overflow]
+    return RuleParams(*grid, stuck, layout.pow2_bits(-k - 1), k, layout.inf_bits if overflow == "inf" else 0,
+                      *ratio_bin_params(edges, layout))
 
 
 def ratio_bin_params(edges: Sequence[int], layout: BitLayout = _F32) -> list:
-    """``[bias + edges[0], len(edges)]``: the bins of ``log2(|d|/gap)`` as :func:`ratio_bin`
-    computes them, for edges that are consecutive integers (such as :data:`RATIO_EDGES`):
-    ``bucketize(log2 r, edges)`` is then ``ceil(log2 r) - edges[0]``, clamped to
-    ``0..len(edges)``. The bins must fit in the code's 6 bits, the last value (63) left for NaN.
+    """``[bias + edges[0], len(edges)]``: the bins of ``log2(|d|/gap)`` for consecutive integer
+    edges, ``bucketize(log2 r, edges) = ceil(log2 r) - edges[0]`` clamped (:func:`ratio_bin`);
+    they must fit in the code's 6 bits, 63 left for NaN.
 
     Example:
         >>> ratio_bin_params(range(-24, 9))
@@ -143,12 +170,13 @@ def ratio_bin_params(edges: Sequence[int], layout: BitLayout = _F32) -> list:
     return [layout.bias + edges[0], len(edges)]
 
 
-def gap_exponent(wu: torch.Tensor, inward: torch.Tensor, p: torch.Tensor, layout: BitLayout = _F32) -> torch.Tensor:
+def gap_exponent(wu: torch.Tensor, inward: torch.Tensor, q, layout: BitLayout = _F32) -> torch.Tensor:
     """The biased exponent of the gap on the update's side of the stored magnitudes ``wu`` (bit
     patterns): ``max(exponent of w - inward, e_min) - m``, where ``inward`` (bool) says that the
-    update points toward zero from a power of two (there the grid below is twice as fine)."""
+    update points toward zero from a power of two (there the grid below is twice as fine);
+    ``q``: the format's :class:`RuleParams` (or :class:`RoundParams`)."""
     ew = wu >> layout.man_bits
-    return torch.clamp(ew - inward.to(wu.dtype), min=p[1]) - p[0]
+    return torch.clamp(ew - inward.to(wu.dtype), min=q.emin_biased) - q.man_bits
 
 
 def _scales(gap_exp: torch.Tensor, layout: BitLayout, one_factor: bool) -> list:
@@ -171,27 +199,22 @@ def gap_value(gap_exp: torch.Tensor, layout: BitLayout = _F32) -> torch.Tensor:
     return torch.where(gap_exp >= 1, normal, subnormal).view(layout.dtype)
 
 
-def freeze_elements(wu: torch.Tensor, signed: torch.Tensor, d: torch.Tensor, p: torch.Tensor,
+def freeze_elements(wu: torch.Tensor, signed: torch.Tensor, d: torch.Tensor, q: RuleParams,
                     layout: BitLayout = _F32, infinite_gap: bool = True, one_factor: bool = False,
                     divide: bool = False):
-    """The rule for stored magnitudes ``wu`` (bit patterns of ``q(w)``, at most those of inf),
-    the signs of ``signed`` (bit patterns of ``w`` or of anything with its sign) and the updates
-    ``d`` (floats of ``layout``), with the parameters ``p`` of :func:`rule_params`.
-
-    Returns ``(frozen, ratio, stuck)``: whether round to nearest keeps ``q(w)`` (bool), ``|d| /
-    gap`` on the update's side (exact but where the ratio is below the smallest normal, where
-    the two factors of a huge gap can round twice, unless ``divide``: then ``|d|`` is divided by
-    the gap, rounded once; 0 or NaN at an infinite gap), and whether the weight is stuck (bool).
-    ``infinite_gap=False`` leaves out the gap at inf of a format without
-    mantissa bits (the only infinite gap); ``one_factor=True`` divides by the gap with one
-    multiplication (:func:`one_factor_gaps`). Python values both, on which ``torch.compile``
-    specialises."""
+    """The rule for stored magnitudes ``wu`` (bit patterns of ``q(w)``, at most those of inf), the signs of ``signed``
+    (bit patterns of anything with w's sign) and the updates ``d`` (floats of ``layout``), with the parameters ``q`` of
+    :func:`rule_params` (Python integers or 0-dim tensors). Returns ``(frozen, ratio, stuck)``: whether round to nearest
+    keeps ``q(w)``, ``|d| / gap`` on the update's side (exact but below the smallest normal, where two factors of a huge
+    gap can round twice, unless ``divide``: one division; 0 or NaN at an infinite gap), and whether the weight is stuck.
+    ``infinite_gap=False`` leaves out the gap at inf of a format without mantissa bits; ``one_factor`` scales by the gap
+    with one multiplication (:func:`one_factor_gaps`); Python values, on which ``torch.compile`` specialises."""
     inf_bits, half_bits = layout.inf_bits, layout.half_bits
     db = d.view(layout.itype)
     du = db & layout.abs_mask
     opposite = (signed ^ db) < 0            # w and d point different ways
     inward = opposite & ((wu & ((1 << layout.man_bits) - 1)) == 0) & (wu != 0)
-    gap_exp = gap_exponent(wu, inward, p, layout)
+    gap_exp = gap_exponent(wu, inward, q, layout)
     scales = _scales(gap_exp, layout, one_factor)
     if divide:
         ratio = d.abs() / gap_value(gap_exp, layout)
@@ -210,15 +233,15 @@ def freeze_elements(wu: torch.Tensor, signed: torch.Tensor, d: torch.Tensor, p: 
         half_multiple = half_multiple * scale
     half_multiple = half_multiple * 0.5
     frozen = (rb < half_bits) | ((rb == half_bits) & (torch.round(half_multiple) == half_multiple))
-    stuck = (wu == p[4]) & (~opposite | (du < p[7])) & (du <= inf_bits)   # (a NaN update moves nothing)
+    stuck = (wu == q.stuck_bits) & (~opposite | (du < q.stuck_limit)) & (du <= inf_bits)   # (a NaN update moves nothing)
     frozen = (frozen | stuck) & (torch.maximum(wu, du) <= inf_bits)       # NaN never
     return frozen, ratio, stuck
 
 
 def move_share(ratio: torch.Tensor, stuck: torch.Tensor, k) -> torch.Tensor:
     """The move probability of stochastic rounding from :func:`freeze_elements`' ratio and stuck
-    flags: ``min(1, ratio)``, 0 where stuck, resolved to ``k`` random bits where ``k > 0`` (``k``
-    a Python int or a 0-dim integer tensor; at most 32). NaN stays NaN."""
+    flags: ``min(1, ratio)``, 0 where stuck, resolved to ``k`` random bits where ``k > 0`` (an int
+    or a 0-dim integer tensor, at most 32); NaN stays NaN."""
     probability = torch.where(stuck, 0.0, torch.clamp(ratio, max=1.0))
     if isinstance(k, int):
         return probability if k == 0 else torch.round(probability * 2.0**k) * 2.0**-k
@@ -227,29 +250,29 @@ def move_share(ratio: torch.Tensor, stuck: torch.Tensor, k) -> torch.Tensor:
     return torch.where(k > 0, resolved.to(probability.dtype), probability)
 
 
-def ratio_bin(ratio: torch.Tensor, p: torch.Tensor, layout: BitLayout = _F32) -> torch.Tensor:
+def ratio_bin(ratio: torch.Tensor, q: RuleParams, layout: BitLayout = _F32) -> torch.Tensor:
     """The bin of ``log2(ratio)`` as ``bucketize`` with the edges of :func:`ratio_bin_params`:
     the ratio's exponent rounded up (a nonzero mantissa carries into the exponent), less the
     first edge, clamped to the bins; ratio 0 in bin 0, NaN in :data:`NO_BIN`."""
     rb = ratio.view(layout.itype)
-    bin_ = torch.minimum(torch.clamp(((rb + ((1 << layout.man_bits) - 1)) >> layout.man_bits) - p[8], min=0), p[9])
+    bin_ = torch.clamp(((rb + ((1 << layout.man_bits) - 1)) >> layout.man_bits) - q.bin_offset, min=0)
+    bin_ = torch.clamp(bin_, max=q.bins)
     return torch.where(rb > layout.inf_bits, NO_BIN, bin_).to(torch.int32)
 
 
-def code_of(frozen: torch.Tensor, ratio: torch.Tensor, p: torch.Tensor, fewbit: bool = True,
+def code_of(frozen: torch.Tensor, ratio: torch.Tensor, q: RuleParams, fewbit: bool = True,
             layout: BitLayout = _F32) -> torch.Tensor:
     """The freeze code (int32, below 256): bit 0 frozen, then with ``fewbit`` the few-bit flag
     (``ratio <= 2**-(k+1)``) in bit 1 and the bin in bits 2-7, else the bin in bits 1-6."""
-    bin_ = ratio_bin(ratio, p, layout)
+    bin_ = ratio_bin(ratio, q, layout)
     if not fewbit:
         return frozen.to(torch.int32) | (bin_ << 1)
-    flag = (ratio.view(layout.itype) <= p[5]).to(torch.int32)
+    flag = (ratio.view(layout.itype) <= q.fewbit_bits).to(torch.int32)
     return frozen.to(torch.int32) | (flag << 1) | (bin_ << 2)
 
 
 def decode_code(code: torch.Tensor, fewbit: bool = True) -> tuple:
-    """``(frozen, few-bit flag, bin)`` of freeze codes written by :func:`code_of` (the flag is
-    None without ``fewbit``).
+    """``(frozen, few-bit flag, bin)`` of freeze codes written by :func:`code_of` (the flag is None without ``fewbit``).
 
     Example:
         >>> [t.tolist() for t in decode_code(torch.tensor([1 | 1 << 1 | 5 << 2]))]
@@ -263,13 +286,10 @@ def decode_code(code: torch.Tensor, fewbit: bool = True) -> tuple:
 
 def watch_code(frozen: torch.Tensor, ratio: torch.Tensor, grad: torch.Tensor, tensor_id: torch.Tensor,
                log_lr: torch.Tensor, first_edge: float, bins: int) -> torch.Tensor:
-    """The freeze watch's code of every element (int32): ``((tensor * bins + at) << 2) | frozen << 1
-    | (grad != 0)``, where ``at`` is the bin of ``y = log2(ratio) - log_lr[tensor]`` (the step per
-    unit of learning rate, in gaps) among ``bins`` bins an eighth of an octave wide from
-    ``first_edge``: ``ceil((y - first_edge) * 8)`` clamped to ``0 .. bins - 1``, NaN in the last.
-    ``log_lr`` holds one value per tensor, or is 0-dim when every tensor has the same learning rate.
-    One ``bincount`` of the codes then gives, per tensor, the histogram and the frozen, idle and
-    frozen-with-gradient counts.
+    """The freeze watch's code of every element (int32): ``((tensor * bins + at) << 2) | frozen << 1 | (grad != 0)``,
+    ``at`` the bin of ``y = log2(ratio) - log_lr[tensor]`` (the step per unit of learning rate, in gaps; ``log_lr``
+    0-dim: one for all) among ``bins`` bins an eighth of an octave wide from ``first_edge`` (clamped; NaN in the last):
+    one ``bincount`` of the codes gives per tensor the histogram and the frozen, idle and frozen-with-gradient counts.
 
     Example:
         >>> one = torch.ones(1)
@@ -282,16 +302,10 @@ def watch_code(frozen: torch.Tensor, ratio: torch.Tensor, grad: torch.Tensor, te
     return ((tensor_id * bins + at) << 2) | (frozen.to(torch.int32) << 1) | (grad != 0).to(torch.int32)
 
 
-def one_factor_gaps(fmt: FloatFormat) -> bool:
-    """Whether ``1/gap`` is a normal float32 for every gap of the format, inf's included
-    (biased gap exponents 0..253): ``m >= 2`` and ``e_min - m >= -127``."""
-    return fmt.man_bits >= 2 and fmt.e_min - fmt.man_bits >= -127
-
-
 def gap_options(fmt: FloatFormat) -> dict:
     """The ``infinite_gap`` and ``one_factor`` arguments of :func:`freeze_elements` for float32
-    input: the infinite gap at inf only without mantissa bits, the division by the gap with one
-    factor where :func:`one_factor_gaps` allows it.
+    input: the infinite gap only without mantissa bits, one factor where ``1/gap`` is a normal
+    float32 for every gap of the format, inf's included (``m >= 2`` and ``e_min - m >= -127``).
 
     Example:
         >>> from lowprec_demo.formats import get_format
@@ -300,4 +314,4 @@ def gap_options(fmt: FloatFormat) -> dict:
     """
     if not fmt.man_bits:
         return {"infinite_gap": True, "one_factor": False}
-    return {"infinite_gap": False, "one_factor": one_factor_gaps(fmt)}
+    return {"infinite_gap": False, "one_factor": fmt.man_bits >= 2 and fmt.e_min - fmt.man_bits >= -127}

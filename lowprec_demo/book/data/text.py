@@ -1,15 +1,9 @@
 """Text for the language experiments: Tiny Shakespeare (or its offline stand-in, the Python
-standard library's own sources), the character tokenizer and GPT-2's BPE.
+standard library's own sources), the character tokenizer and GPT-2's BPE (or UTF-8 bytes).
 
-Tiny Shakespeare comes through :func:`~lowprec_demo.data.fetch` (a local copy, the
-cache or a download, sha256 verified); when it cannot be had, :func:`load_shakespeare` warns and
-returns the stand-in, and says so in its ``source``. :func:`gpt2_tokens` falls back to UTF-8
-bytes when tiktoken's GPT-2 encoding is unavailable, and says why.
-
-Example::
-
-    >>> corpus = load_shakespeare(); tok = CharTokenizer(corpus.text); tok.vocab_size
-    65
+Example:
+    >>> CharTokenizer("hello").vocab_size
+    4
 """
 
 from __future__ import annotations
@@ -27,93 +21,55 @@ from typing import Iterable, Optional
 
 import torch
 
-from lowprec_demo.book.data.environment import (SHAKESPEARE_FILENAME, DataFallbackWarning, DataUnavailableError, PathLike, fetch, is_offline)
+from lowprec_demo.book.data.environment import (SHAKESPEARE_FILENAME, DataFallbackWarning, DataUnavailableError,
+                                                PathLike, fetch, is_offline)
 
-__all__ = [
-    "SHAKESPEARE_URL",
-    "SHAKESPEARE_SHA256",
-    "TextCorpus",
-    "load_shakespeare",
-    "CharTokenizer",
-    "gpt2_tokens",
-]
+__all__ = ["SHAKESPEARE_URL", "SHAKESPEARE_SHA256", "TextCorpus", "load_shakespeare", "CharTokenizer", "gpt2_tokens"]
 
-SHAKESPEARE_URL = (
-    "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
-)
+SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
 
-# Size of the offline stand-in for Tiny Shakespeare (which has 1,115,394 characters).
 FALLBACK_CORPUS_CHARS = 1_000_000
 
 
 @dataclass
 class TextCorpus:
-    """A text and where it came from (``fallback`` is True for the offline stand-in).
-
-    Example::
-
-        >>> TextCorpus(text="To be, or not to be", source="typed in").text[:5]
-        'To be'
-    """
+    """A text and where it came from (``fallback`` is True for the offline stand-in)."""
 
     text: str
     source: str
     fallback: bool = False
 
 
-def _stdlib_corpus(
-    max_chars: int = FALLBACK_CORPUS_CHARS, stdlib: Optional[PathLike] = None
-) -> tuple[str, str]:
-    """The standard library's top-level ``.py`` files in sorted order, up to ~``max_chars``, and
-    a sentence naming them (by file name and Python version, not by the folder's path).
-
-    ``stdlib``: the folder to read (default: this Python's standard library)."""
-    if stdlib is None:
-        stdlib = sysconfig.get_paths().get("stdlib") or Path(os.__file__).parent
-    stdlib = Path(stdlib)
+def _stdlib_corpus(max_chars: int = FALLBACK_CORPUS_CHARS, stdlib: Optional[PathLike] = None) -> tuple[str, str]:
+    """The top-level ``.py`` files of ``stdlib`` (default: this Python's standard library) in
+    sorted order, up to about ``max_chars``, and a sentence naming them (not by their path)."""
+    stdlib = Path(stdlib if stdlib is not None else sysconfig.get_paths().get("stdlib") or Path(os.__file__).parent)
     files = sorted(stdlib.glob("*.py"))
     if not files:
         raise DataUnavailableError(f"no Python sources found in {stdlib} for the fallback corpus")
     parts: list[str] = []
-    total = 0
     for path in files:
-        part = f"# ---- {path.name} ----\n" + path.read_text(encoding="utf-8", errors="replace")
-        parts.append(part)
-        total += len(part)
-        if total >= max_chars:
+        parts.append(f"# ---- {path.name} ----\n" + path.read_text(encoding="utf-8", errors="replace"))
+        if sum(map(len, parts)) >= max_chars:
             break
     text = "".join(parts)
     version = ".".join(map(str, sys.version_info[:3]))
-    source = (
-        f"fallback corpus: the first {len(parts)} .py files, in sorted order, of the Python "
-        f"{version} standard library ({files[0].name} to {files[len(parts) - 1].name}, "
-        f"{len(text):,} characters)"
-    )
+    source = (f"fallback corpus: the first {len(parts)} .py files, in sorted order, of the Python "
+              f"{version} standard library ({files[0].name} to {files[len(parts) - 1].name}, "
+              f"{len(text):,} characters)")
     return text, source
 
 
 def load_shakespeare() -> TextCorpus:
-    """Tiny Shakespeare (1,115,394 characters), verified against its sha256.
-
-    From ``$LOWPREC_DATA_DIR``, the cache, or a download (see ``fetch``). When it cannot be had,
-    warns and returns about 1 MB of the Python standard library's own sources instead, a corpus
-    every machine has; ``source`` names it and ``fallback`` is True.
-
-    Example::
-
-        >>> corpus = load_shakespeare(); corpus.text[:14]
-        'First Citizen:'
-    """
+    """Tiny Shakespeare (1,115,394 characters, sha256 verified), or with a warning about 1 MB of the
+    Python standard library's sources, which every machine has (``fallback`` True)."""
     try:
         path, source = fetch(SHAKESPEARE_FILENAME, SHAKESPEARE_URL, SHAKESPEARE_SHA256)
     except DataUnavailableError as exc:
         text, source = _stdlib_corpus()
-        warnings.warn(
-            f"Tiny Shakespeare is unavailable ({exc}); using the {source}",
-            DataFallbackWarning,
-            stacklevel=2,
-        )
+        warnings.warn(f"Tiny Shakespeare is unavailable ({exc}); using the {source}", DataFallbackWarning,
+                      stacklevel=2)
         return TextCorpus(text=text, source=source, fallback=True)
     return TextCorpus(text=path.read_text(encoding="utf-8"), source=source)
 
@@ -121,10 +77,9 @@ def load_shakespeare() -> TextCorpus:
 class CharTokenizer:
     """Character-level tokenizer: token i is the i-th of the text's distinct characters, sorted.
 
-    Example::
-
+    Example:
         >>> tok = CharTokenizer("hello"); tok.encode("hell"), tok.decode([1, 0])
-        ([1, 0, 2, 2], 'eh')
+        ([1, 0, 2, 2], 'he')
     """
 
     def __init__(self, text: str) -> None:
@@ -155,30 +110,20 @@ class CharTokenizer:
         return f"CharTokenizer(vocab_size={self.vocab_size})"
 
 
-# A tiktoken download that never answered keeps tiktoken's registry lock; remember it so that
-# later calls fall back at once instead of waiting on that lock.
+# A tiktoken download that never answered keeps tiktoken's registry lock: remember it, so later calls fall back at once.
 _gpt2_stuck: Optional[threading.Thread] = None
 
-_GPT2_FILES = (
-    "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/vocab.bpe",
-    "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/encoder.json",
-)
+_GPT2_FILES = ("https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/vocab.bpe",
+               "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/encoder.json")
 
 
 def _tiktoken_gpt2_cached() -> bool:
     """Whether tiktoken's file cache holds the GPT-2 BPE files (same lookup as tiktoken's)."""
-    if "TIKTOKEN_CACHE_DIR" in os.environ:
-        folder = os.environ["TIKTOKEN_CACHE_DIR"]
-    elif "DATA_GYM_CACHE_DIR" in os.environ:
-        folder = os.environ["DATA_GYM_CACHE_DIR"]
-    else:
-        folder = os.path.join(tempfile.gettempdir(), "data-gym-cache")
+    folder = os.environ.get("TIKTOKEN_CACHE_DIR",
+                            os.environ.get("DATA_GYM_CACHE_DIR", os.path.join(tempfile.gettempdir(), "data-gym-cache")))
     if not folder:
         return False
-    return all(
-        os.path.isfile(os.path.join(folder, hashlib.sha1(url.encode()).hexdigest()))
-        for url in _GPT2_FILES
-    )
+    return all(os.path.isfile(os.path.join(folder, hashlib.sha1(url.encode()).hexdigest())) for url in _GPT2_FILES)
 
 
 def _gpt2_encoding(timeout: float):
@@ -208,29 +153,17 @@ def _gpt2_encoding(timeout: float):
     if thread.is_alive():
         _gpt2_stuck = thread
         return None, f"loading it took more than {timeout:g} s"
-    if "encoding" in result:
-        return result["encoding"], ""
-    return None, result.get("error", "unknown error")
+    return (result["encoding"], "") if "encoding" in result else (None, result.get("error", "unknown error"))
 
 
 def gpt2_tokens(text: str, timeout: float = 30) -> tuple[torch.Tensor, int, str]:
-    """Tokenize ``text`` with GPT-2's BPE, or with raw UTF-8 bytes when that is unavailable.
-
-    Returns ``(tokens, vocab_size, description)``: a 1-D LongTensor, 50257 for GPT-2 BPE
-    (tiktoken's "gpt2", which needs a network download the first time or a tiktoken cache) or
-    256 for bytes, and a sentence saying which one was used and why.
-
-    Example::
-
-        >>> tokens, vocab_size, description = gpt2_tokens("Hello world")
-    """
+    """``text`` as GPT-2 BPE tokens (tiktoken's "gpt2": a download the first time, or its cache),
+    or as UTF-8 bytes when that is unavailable: ``(tokens, vocab_size, description)``, a 1-D
+    LongTensor, 50257 or 256, and a sentence saying which was used and why."""
     encoding, reason = _gpt2_encoding(timeout)
     if encoding is not None:
         ids = encoding.encode_ordinary(text)
-        return (
-            torch.tensor(ids, dtype=torch.long),
-            encoding.n_vocab,
-            f"GPT-2 BPE tokens (tiktoken 'gpt2', vocab {encoding.n_vocab})",
-        )
+        return (torch.tensor(ids, dtype=torch.long), encoding.n_vocab,
+                f"GPT-2 BPE tokens (tiktoken 'gpt2', vocab {encoding.n_vocab})")
     tokens = torch.tensor(list(text.encode("utf-8")), dtype=torch.long)
     return tokens, 256, f"UTF-8 byte tokens (vocab 256), because GPT-2 BPE is unavailable: {reason}"

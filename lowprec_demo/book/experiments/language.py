@@ -14,23 +14,18 @@ import torch
 
 from lowprec_demo.book.config import TrainConfig
 from lowprec_demo.book.data.batches import TokenBatches
+from lowprec_demo.book.experiments.registry import ExperimentOptions
 from lowprec_demo.book.models import GPT
 from lowprec_demo.book.runtime import pick_device
 from lowprec_demo.book.training import Task
-from lowprec_demo.book.experiments.registry import ExperimentOptions
 
 __all__ = ["LanguageModelOptions", "gpt_task", "decay_groups", "shard_rows"]
 
 
 @dataclass(frozen=True)
 class LanguageModelOptions(ExperimentOptions):
-    """The options every GPT experiment has.
-
-    Attributes:
-        batch_size: sequences per step (on all processes together).
-        val_fraction: the share of the tokens held out for validation (the end of the text).
-        eval_batches: validation batches per evaluation; 0: no evaluation.
-    """
+    """The options every GPT experiment has: sequences per step (all processes together), the share of the tokens held
+    out for validation (the end of the text), and validation batches per evaluation (0: none)."""
 
     batch_size: int = 12
     val_fraction: float = 0.1
@@ -46,9 +41,8 @@ def decay_groups(model: torch.nn.Module, config: TrainConfig) -> list:
 
 
 def shard_rows(batch, rank: int, world_size: int):
-    """This rank's share of an ``(x, y)`` batch: an equal block of rows (the batch size must be a
-    multiple of the number of processes, so that the mean of the shards' mean losses is the mean
-    loss of the whole batch)."""
+    """This rank's share of an ``(x, y)`` batch: an equal block of rows (the batch size a multiple
+    of the processes, so that the mean of the shards' mean losses is the whole batch's)."""
     x, y = batch
     if x.shape[0] % world_size:
         raise ValueError(f"batch_size {x.shape[0]} is not a multiple of the {world_size} processes")
@@ -57,9 +51,8 @@ def shard_rows(batch, rank: int, world_size: int):
 
 def gpt_task(config: TrainConfig, options: LanguageModelOptions, model_config, tokens: torch.Tensor,
              context: int, description: str) -> Task:
-    """A language-modelling Task for a GPT: random windows of ``context`` tokens (the same for a
-    given seed and step in every run), mean next-token cross-entropy, and a validation loss on
-    ``options.eval_batches`` fixed batches. Shared by the ``nanogpt`` and ``gpt2`` experiments."""
+    """A language-modelling Task for a GPT: random windows of ``context`` tokens (the same for a seed and step in
+    every run), mean next-token cross-entropy, a validation loss on ``options.eval_batches`` fixed batches."""
     device = pick_device(config.device)
     batches = TokenBatches(tokens, block_size=context, batch_size=options.batch_size, seed=config.seed,
                            val_fraction=options.val_fraction, device=device)

