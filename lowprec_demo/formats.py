@@ -44,10 +44,9 @@ def check_overflow_policy(fmt: "FloatFormat", overflow: str) -> None:
 
 @dataclass(frozen=True)
 class FloatFormat:
-    """A format with E = ``exp_bits`` (2..8) exponent bits, m = ``man_bits`` (0..23) stored
-    mantissa bits, a ``kind`` (see the module), a display ``name`` (default ``"e{E}m{m}"``) and an
-    ``overflow`` policy, what a value beyond ``max`` becomes: ``"inf"``, ``"saturate"`` (to
-    +-max) or ``"nan"`` (default: ``"inf"`` where the format has inf, else ``"saturate"``).
+    """A format with E = ``exp_bits`` (2..8) exponent bits, m = ``man_bits`` (0..23) stored mantissa bits, a ``kind``, a
+    display ``name`` (default ``"e{E}m{m}"``) and an ``overflow`` policy, what a value beyond ``max`` becomes:
+    ``"inf"``, ``"saturate"`` (to +-max) or ``"nan"`` (default ``"inf"`` if the format has inf, else ``"saturate"``).
 
     Example:
         >>> FloatFormat(5, 3).max   # an IEEE-like 9-bit format "e5m3"

@@ -183,9 +183,9 @@ class NoisyQuadratic:
         return (0.5 * self.h * (w.float() - self.target) ** 2).mean().item()
 
     def train(self, param: torch.nn.Parameter, optimizer, steps: int, after_step=None):
-        """Train ``param`` (float32, bfloat16 or float16) for ``steps`` steps, calling
+        """Train ``param`` (fp32, bf16 or fp16) for ``steps`` steps, calling
         ``after_step`` after each; ``(moved, losses, never_moved)``: per step the share of elements
-        whose stored value changed and the loss, and the share that never changed."""
+        that moved and the loss, and the share that never moved."""
         moved, losses = [], []
         ever = torch.zeros(self.n, dtype=torch.bool)
         for t in range(steps):

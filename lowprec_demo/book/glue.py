@@ -1,6 +1,5 @@
-"""Numbers for the prose: :func:`glue` records a value a page quotes with myst-nb's
-``{glue:text}`name``` role, as ``myst_nb.glue`` does, without importing myst-nb (a
-reader's kernel needs only IPython). E.g. ``glue("ch2_steps", 61)``."""
+"""Numbers for the prose: :func:`glue` records a value a page quotes with the ``{glue:text}`name``` role, as
+``myst_nb.glue`` does but without myst-nb (a reader's kernel needs only IPython), e.g. ``glue("ch2_steps", 61)``."""
 
 from __future__ import annotations
 

@@ -304,8 +304,8 @@ def plot_ratio_histogram(result, ax=None, fmt: Optional[str] = None):
 
 
 def plot_remedies(comparison, ax=None, relative: bool = False, title: Optional[str] = None, legend: bool = True):
-    """A :class:`~lowprec_demo.book.remedies.RemedyComparison`: each remedy's final evaluation
-    loss minus the fp32 reference's (``relative``: over it) against the bytes it stores per
+    """A :class:`~lowprec_demo.book.remedies.RemedyComparison`: each remedy's final eval
+    loss minus the fp32 reference's (``relative``: over it) against its stored bytes per
     parameter; crosses mark round to nearest, the star the reference."""
     ax = _ax(ax)
     rows = comparison.rows()

@@ -1,10 +1,6 @@
 """One style for every figure the package draws: a colour and line style per variant
 (:data:`STYLES`, :func:`style`), families of curves (:func:`series_style`, :func:`tensor_styles`),
 labels at the lines' ends (:func:`label_lines`) and matplotlib's defaults (:func:`use_book_style`).
-
-Example:
-    >>> style("nearest")["color"]
-    '#D55E00'
 """
 
 from __future__ import annotations

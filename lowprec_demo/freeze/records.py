@@ -66,8 +66,7 @@ class FreezeRecord:
     by_tensor_steps: Optional[List[int]] = None  # set when per-tensor curves were thinned
 
     def add_step(self, per_tensor: Iterable[tuple]) -> int:
-        """Add a step from ``(name, frozen, elements)`` per tensor; return the elements counted.
-        A tensor first seen now gets NaN for the steps before."""
+        """Add a step of ``(name, frozen, elements)`` per tensor (a new tensor: NaN before); return the count."""
         frozen = count = 0
         for name, f, n in per_tensor:
             if name not in self.by_tensor:

@@ -148,9 +148,8 @@ def schedule_length(scheduler) -> Optional[int]:
 
 
 def lr_schedule(scheduler, t0: int, now: List[float], total: int) -> Dict[int, List[float]]:
-    """Every param group's learning rate at every step from ``t0`` (whose rates were ``now``) to
-    ``total``: constant for None; ``now`` scaled by ``value(s) / value(t0)`` for a list or a
-    callable; for a torch scheduler, a copy of it stepped ahead."""
+    """Each param group's learning rate at each step from ``t0`` (rates ``now``) to ``total``: constant for None;
+    ``now`` scaled by ``value(s) / value(t0)`` for a list or a callable; for a torch scheduler, a copy stepped ahead."""
     steps, sched = range(t0, total), scheduler
     if sched is None:
         return {s: list(now) for s in steps}

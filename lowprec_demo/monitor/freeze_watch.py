@@ -372,7 +372,7 @@ class FreezeWatch:
 def watch(model: torch.nn.Module, optimizer, formats: Sequence = ("bf16",), scheduler=None, every: int = 1,
           threshold: float = 0.5, total_steps: Optional[int] = None, patience: int = 10, path=None,
           save_every: int = 100, writer=None, progress: bool = False, sample: Optional[int] = 1 << 14) -> FreezeWatch:
-    """Watch a training run for weights that cannot move (see the module docstring). ``formats``: to predict for float32
+    """Watch a training run for weights that cannot move. ``formats``: to predict for float32
     parameters, names or the torch dtypes that store them; ``scheduler``: a torch scheduler, a callable step -> lr, the
     list of learning rates or None (constant); one step in ``every`` watched; ``threshold``: the frozen fraction of a
     freeze step; ``total_steps``: the run's length where the schedule does not say it; ``patience``: watched steps held

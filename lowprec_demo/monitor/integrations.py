@@ -175,9 +175,8 @@ class _Watching:
 
 
 def hf_callback(path=None, plan_after=None, plan_format=None, plan_budget=1.0, plan_path=None, **watch_options):
-    """A ``transformers.TrainerCallback`` running a freeze watch (see the module docstring):
-    the report to ``path``, a plan after ``plan_after`` steps in ``plan_format`` (the watch's
-    first) to ``plan_path``; ``watch_options`` go to :func:`lowprec_demo.watch`."""
+    """A ``transformers.TrainerCallback`` with a freeze watch: the report to ``path``, a plan after ``plan_after`` steps
+    in ``plan_format`` (the watch's first) to ``plan_path``; ``watch_options`` to :func:`lowprec_demo.watch`."""
     planner = _Planner(plan_after, plan_format, plan_budget, plan_path)
     try:
         from transformers import TrainerCallback

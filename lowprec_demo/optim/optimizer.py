@@ -129,9 +129,8 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         return self._by_remedy[remedy]
 
     def _store(self, tensors: list, fmt: FloatFormat, rounding: str) -> None:
-        """``t.copy_(quantize(t, ...))`` for each tensor, in fewer passes over memory: the small
-        contiguous float32 ones rounded in their pack's buffer, where they live from then on
-        (one call, and for SR one seed, per pack); anything else tensor by tensor."""
+        """``t.copy_(quantize(t, ...))`` per tensor, in fewer memory passes: the small contiguous float32 ones rounded
+        in their pack's buffer, where they then live (one call, and for SR one seed, per pack); the rest one by one."""
         policy = self.overflow if fmt is self.fmt else fmt.overflow
         plan = self.packs.plan(tensors, _packable)
         if sharding.any_sharded(tensors):   # FSDP2: each process rounds its pieces, with the whole tensors' bits

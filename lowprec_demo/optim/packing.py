@@ -1,8 +1,7 @@
-"""A model's many small tensors (biases, layer-norm gains) laid out one after another in one
-flat buffer, so that one kernel call (whose fixed cost exceeds the work of each) serves them
-all: :func:`group` splits the tensors into runs, every large tensor alone, and each run becomes
-a :class:`Pack`. :class:`~lowprec_demo.optim.optimizer.LowPrecisionOptimizer` keeps its packs in
-a :class:`PackCache`, the tensors living in their buffers (:meth:`Pack.flat` with ``adopt``);
+"""A model's many small tensors (biases, layer-norm gains) laid end to end in one flat buffer, so that one kernel call
+(whose fixed cost exceeds the work of each) serves them all: :func:`group` splits the tensors into runs, every large
+tensor alone, and each run becomes a :class:`Pack`. :class:`~lowprec_demo.optim.LowPrecisionOptimizer` keeps its packs
+in a :class:`PackCache`, the tensors living in their buffers (:meth:`Pack.flat` with ``adopt``);
 :class:`~lowprec_demo.freeze.prediction.StepTracker` keeps a snapshot buffer per pack.
 
 Example:

@@ -1,11 +1,10 @@
 """FSDP2's sharded parameters: where each process's piece lies in the whole tensor.
 
-Under ``fully_shard`` a parameter is a ``DTensor`` whose process holds a block of rows (``Shard(0)``: ``torch.chunk``
-of dim 0), a stretch of the flat tensor from :func:`flat_offset`. :class:`~lowprec_demo.optim.LowPrecisionOptimizer`
-rounds each piece where it lies (:func:`store_pieces`), stochastic rounding drawing each element's bits by its
-index in the whole tensor (or pack): one process and N processes store the same bits. The freeze watch's sample
-(:mod:`~lowprec_demo.monitor.sampling`) finds its elements alike. Allowed placements: ``Shard(0)`` (once) and
-``Replicate()`` (HSDP).
+Under ``fully_shard`` a parameter is a ``DTensor`` whose process holds a block of rows (``Shard(0)``: ``torch.chunk`` of
+dim 0), a stretch of the flat tensor from :func:`flat_offset`. :class:`~lowprec_demo.optim.LowPrecisionOptimizer` rounds
+each piece where it lies (:func:`store_pieces`), stochastic rounding drawing each element's bits by its index in the
+whole tensor (or pack): one process and N processes store the same bits. The freeze watch's sample finds its elements
+alike. Allowed placements: ``Shard(0)`` (once) and ``Replicate()`` (HSDP).
 
 Example:
     >>> import torch

@@ -6,11 +6,6 @@ in ``core``). Underneath, ``rule`` writes the rule once, ``bits`` holds the kern
 runs them eagerly. The rule and the kernels work on the bit patterns of float32 or float64 tensors with integer
 operations and exact floating-point ones, so they give the same bits eagerly and under ``torch.compile`` (whose C++ is
 built with ``-fno-signed-zeros``, and whose Triton divides approximately unless told otherwise).
-
-Example:
-    >>> import torch
-    >>> quantize(torch.tensor([1.001]), "bf16").item()
-    1.0
 """
 
 from lowprec_demo.rounding.core import (ROUNDING_MODES, GeneratorLike, decay_rounds_back, draw_seed, move_probability,

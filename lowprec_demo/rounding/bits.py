@@ -14,11 +14,11 @@ Round to nearest (``rne_bits``)
     into the exponent). One rounding: float64 input is rounded once, exactly.
 
 Stochastic rounding (``sr_bits``)
-    ``frac = S mod 2**d`` is the position in the gap, in units of ``2**-d`` gaps. With k random bits (32: full
+    ``frac = S mod 2**d`` is the position inside the gap in units of ``2**-d`` gaps. With k random bits (32: full
     resolution) and ``j = min(d, k)``, the position is resolved to j bits (``round_half_even(frac / 2**(d - j))``) and
-    it moves away from zero when the top j bits of the 32-bit hash of (seed, element index) are below it: exactly
-    ``frac / 2**d`` when ``d <= k``. One convention for every dtype, size and shard: element i of a call
-    with ``index_offset`` draws :func:`hash32` of ``index_offset + i`` mod 2**32 (as
+    the value moves away from zero when the top j bits of the 32-bit hash of (seed, element index) are below it: the
+    exact ``frac / 2**d`` whenever ``d <= k``. One convention for every dtype, size and shard: element i of a call with
+    ``index_offset`` draws :func:`hash32` of ``index_offset + i`` modulo 2**32 (as
     :func:`lowprec_demo.rounding.random_bits`).
 
 The freeze rule (``freeze_code_fp32``, ``watch_code_fp32``)
@@ -68,11 +68,10 @@ _CONSTANTS: Dict[tuple, torch.Tensor] = {}
 
 
 class _Eager:
-    """The eager dialect, the one eager-only trick: every operation is a pass over its slice and
-    torch's eager comparisons and ``where`` cost several integer operations each, so conditions
-    are masks in the values' integer type (-1 or 0) and constants 0-dim tensors made once; with
-    ``own`` the result is written over the first operand, a temporary already in the cache. Same
-    bits as :class:`_Compiled`, about twice as fast eagerly (``benchmarks/README.md``)."""
+    """The eager dialect: every operation is a pass over its slice and eager comparisons and ``where`` cost several
+    integer operations each, so conditions are masks in the values' integer type (-1 or 0) and constants 0-dim tensors
+    made once; with ``own`` the result is written over the first operand, a temporary already in the cache. Same bits as
+    :class:`_Compiled`, about twice as fast eagerly (``benchmarks/README.md``)."""
 
     @staticmethod
     def k(value, like):

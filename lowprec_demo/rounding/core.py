@@ -19,11 +19,6 @@ Stochastic rounding
     are a hash of a seed (from the caller's ``torch.Generator``, or an int) and the element's index: one seed, the same
     bits everywhere. Probabilities are resolved to 2^-32 of a gap (exact for float32 input in every format's normal
     range); ``rand_bits=k`` models k-bit hardware SR, so an update below 2^-(k+1) of a gap never moves.
-
-Example:
-    >>> import torch
-    >>> quantize(torch.tensor([1.0 + 2**-9]), "bf16")
-    tensor([1.])
 """
 
 from __future__ import annotations

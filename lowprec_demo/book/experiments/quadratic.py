@@ -49,8 +49,7 @@ class Quadratic(torch.nn.Module):
 def closed_form_freeze_steps(curvature: torch.Tensor, target: torch.Tensor, w0: torch.Tensor, lr: float,
                              man_bits: int) -> torch.Tensor:
     """Per coordinate, the first step whose exact GD update is below half the ulp at the target,
-    ``ceil(log(ulp_i / (2 lr c_i |e_i(0)|)) / log(1 - lr c_i))`` (an estimate: the ulp taken at the
-    target, ties and the path's grid ignored)."""
+    ``ceil(log(ulp_i / (2 lr c_i |e_i(0)|)) / log(1 - lr c_i))`` (an estimate: ties and the path's grid ignored)."""
     e0 = (w0 - target).abs().double()
     c = curvature.double()
     ulp = torch.exp2(torch.floor(torch.log2(target.abs().double())) - man_bits)

@@ -16,8 +16,7 @@ _EXPECTED = {bool: "true or false", int: "an integer", float: "a number", str: "
 
 
 def _convert(value, kind: type):
-    """``value`` as a ``kind`` (bool, int, float or str), from a value of that type or from text;
-    a ValueError (without a message) when it is neither."""
+    """``value`` as a ``kind`` (bool, int, float or str), from that type or text; ValueError (no message) if neither."""
     if isinstance(value, str) and kind is not str:
         text = value.strip().lower()
         if kind is bool:
