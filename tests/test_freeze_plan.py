@@ -44,7 +44,8 @@ def _plan_for(model, remedies):
 
 
 SINGLE = {"nearest": {}, "stochastic": {"rounding": "stochastic"},
-          "kahan": {"compensation": "kahan", "compensation_format": "bf16"}, "master": {"master_weights": True}}
+          "kahan": {"compensation": "kahan", "compensation_format": "bf16"}, "master": {"master_weights": True},
+          "remainder": {"compensation": "remainder"}, "feedback": {"compensation": "feedback"}}
 
 
 @pytest.mark.parametrize("remedy", PLAN_REMEDIES)

@@ -1,4 +1,4 @@
-"""The package's shape meets its targets (tools/check_package.py): at most 9,500 lines, no module
+"""The package's shape meets its targets (tools/check_package.py): at most 10,500 lines, no module
 over 500, at most 12 entries at the top, no benchmark code inside, a light ``import
 lowprec_demo``, at most 25 names in ``__all__``, no attribute shadowing a submodule, one
 compile/eager dialect."""

@@ -113,7 +113,7 @@ def test_bytes_per_parameter_weighs_tensors_by_their_elements():
     big.grad = torch.ones(30, 10)
     plain.step()
     assert bytes_per_parameter(plain) == {"weights": 4.0, "master": 0.0, "state": 4.0, "compensation": 0.0,
-                                          "total": 8.0}
+                                          "total": 8.0, "held": 8.0}
 
 
 def test_every_variant_has_a_wrapper():

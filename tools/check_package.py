@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "lowprec_demo"
 
 TARGETS = {
-    "lines": 9500,            # the whole package
+    "lines": 10500,           # the whole package (9,500 before the real-storage remedies and bf16 forecasts)
     "module_lines": 500,      # any one module
     "top_entries": 12,        # files and folders at the package's top
     "import_modules": 20,     # package modules loaded by `import lowprec_demo`

@@ -1,5 +1,5 @@
 """Stored weights on a format's grid: :class:`LowPrecisionOptimizer` wraps a ``torch.optim`` optimizer, whose step is
-computed in the parameters' own dtype (float32), and stores every selected parameter back on the grid, so that the next
+computed in float32, and stores every selected parameter back on the grid, so that the next
 forward pass uses exactly the weights of a model kept in that format. The remedies, the ways to store a step's result:
 
 * ``rounding="nearest"`` (ties to even): an update below half an ulp of the weight is lost; the
@@ -10,6 +10,12 @@ forward pass uses exactly the weights of a model kept in that format. The remedi
   ``compensation_format="bf16"`` in 2 bytes (as torch-optimi keeps it: only the residual's leading bits carry over).
 * ``master_weights=True``: a float32 master copy takes the steps, the parameters hold it rounded
   to nearest: nothing is lost, for 4 bytes a parameter more.
+* ``compensation="remainder"`` (bf16): the same steps to the same stored bits, the master kept as the stored weight
+  plus a 16-bit remainder, for 2 bytes more.
+* ``compensation="feedback"``: each step's rounding error fed into the optimizer's first moment (ECO), no byte more.
+
+Parameters really stored in torch.bfloat16 or torch.float16 take their step in float32 working copies that live
+during the step only (:mod:`~lowprec_demo.optim.storage`); their optimizer state stays in their dtype.
 
 A :class:`FreezePlan` gives each tensor its own remedy, ``state_format`` keeps the optimizer state (Adam's moments) on
 a grid too, and :func:`bytes_per_parameter` counts what a setting stores. ``options`` checks the arguments,

@@ -7,8 +7,8 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from lowprec_demo.formats import FloatFormat, check_overflow_policy, get_format
-from lowprec_demo.optim import sharding
+from lowprec_demo.formats import FloatFormat, check_overflow_policy, format_of_dtype, get_format
+from lowprec_demo.optim import sharding, storage
 from lowprec_demo.optim.options import (COMPENSATIONS, PARAM_SELECTIONS, ParamSelection, check_options,
                                          make_generator, select_params)
 from lowprec_demo.optim.packing import PackCache
@@ -21,8 +21,11 @@ __all__ = ["LowPrecisionOptimizer", "select_params", "bytes_per_parameter", "PAR
 
 def bytes_per_parameter(optimizer: torch.optim.Optimizer) -> dict:
     """Bytes per parameter element, as an implementation that really keeps each tensor in its format would store them:
-    ``weights`` (the format's width for the low-precision parameters), ``master`` copies, optimizer ``state`` (once a
-    step made it), ``compensation`` buffers and their ``total`` (gradients and activations: the same for all).
+    ``weights`` (the format's width for the low-precision parameters), ``master`` copies (4 bytes; a bf16 weight's
+    16-bit remainder: 2), optimizer ``state`` (once a step made it), ``compensation`` buffers and their ``total``
+    (gradients and activations: the same for all); and ``held``, what the process holds: every parameter, every tensor
+    of the optimizer's state and of the wrapper, by the tensors' own sizes (``total`` where the parameters are really
+    stored in bf16 or fp16; more where a format is simulated in float32).
 
     Example:
         >>> w = torch.nn.Parameter(torch.ones(10))
@@ -33,19 +36,22 @@ def bytes_per_parameter(optimizer: torch.optim.Optimizer) -> dict:
     wrapper = optimizer if isinstance(optimizer, LowPrecisionOptimizer) else None
     inner = wrapper.optimizer if wrapper is not None else optimizer
     width = lambda fmt, t: fmt.bits / 8 if fmt is not None else t.element_size()   # noqa: E731
-    totals, count = {"weights": 0.0, "master": 0.0, "state": 0.0, "compensation": 0.0}, 0
+    totals, count, held = {"weights": 0.0, "master": 0.0, "state": 0.0, "compensation": 0.0}, 0, 0
     for p in (p for group in inner.param_groups for p in group["params"]):
         n, remedy = p.numel(), wrapper.remedy_of(p) if wrapper is not None else None
         count += n
+        held += n * p.element_size() + sum(v.numel() * v.element_size() for v in inner.state.get(p, {}).values()
+                                           if torch.is_tensor(v))
         totals["weights"] += n * width(wrapper.fmt if remedy else None, p)
-        if remedy == "master":
-            totals["master"] += n * 4
+        totals["master"] += n * {"master": 4, "remainder": 2}.get(remedy, 0)
         if remedy == "kahan":
-            totals["compensation"] += n * width(wrapper.compensation_format, p)
+            totals["compensation"] += n * (wrapper.compensation_format.bits / 8 if wrapper.compensation_format
+                                           else wrapper.buffer_dtype(p).itemsize)
         for value in _elementwise_state(inner, p):
             totals["state"] += n * width(wrapper.state_format if remedy else None, value)
     out = {k: v / max(count, 1) for k, v in totals.items()}
     out["total"] = sum(out.values())
+    out["held"] = (held + (wrapper.held_bytes() if wrapper is not None else 0)) / max(count, 1)
     return out
 
 
@@ -63,11 +69,13 @@ def _packable(t: torch.Tensor) -> bool:
 class LowPrecisionOptimizer(torch.optim.Optimizer):
     """Keep selected parameters on the grid of ``fmt`` (a name such as ``"bf16"``, or a FloatFormat; ``overflow``
     overrides its policy) after every step of ``optimizer`` (any ``torch.optim`` optimizer over float32 or float64
-    parameters), stored with the remedy of ``rounding``, ``compensation``, ``compensation_format`` and
-    ``master_weights`` (:mod:`lowprec_demo.optim`). ``generator``: a ``torch.Generator``, or an int seed for a new CPU
+    parameters, or parameters really stored in torch.bfloat16 or torch.float16: :mod:`~lowprec_demo.optim.storage`),
+    stored with the remedy of ``rounding``, ``compensation``, ``compensation_format`` and ``master_weights``
+    (:mod:`lowprec_demo.optim`). ``generator``: a ``torch.Generator``, or an int seed for a new CPU
     generator (the same seed keeps data-parallel replicas bit-identical); ``rand_bits``: few-bit SR. ``params``: the
     parameters kept in low precision (:func:`select_params`), their optimizer state (Adam's moments) on the grid of
-    ``state_format`` with ``state_rounding``; ``round_initial``: round them now, for the first forward pass. ``plan``: a
+    ``state_format`` with ``state_rounding`` (None: unrounded in float32, or for parameters really stored in bf16 or fp16
+their own dtype, as torch keeps it); ``round_initial``: round them now, for the first forward pass. ``plan``: a
     :class:`~lowprec_demo.optim.plan.FreezePlan` giving each tensor it names its remedy (leave the remedy arguments and
     ``params`` at their defaults), found by name in ``model`` or, without it, by its recorded position and shape.
 
@@ -94,7 +102,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         self.optimizer, self.plan, self.selection = optimizer, plan, params
         self.rounding, self.state_rounding, self.rand_bits = rounding, state_rounding, rand_bits
         self.compensation, self.master_weights = compensation, master_weights
-        self._single = "master" if master_weights else "kahan" if compensation == "kahan" else rounding
+        self._single = "master" if master_weights else compensation if compensation is not None else rounding
         self.generator = make_generator(generator)
         # torch's Optimizer sets up the hooks; add_param_group leaves the inner optimizer's groups as they are
         super().__init__(optimizer.param_groups, optimizer.defaults)
@@ -105,20 +113,52 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         by_id = None if plan is None else resolve_plan(plan, all_params, model)
         self.lowprec_params = select_params(all_params, params if by_id is None else lambda p: id(p) in by_id)
         self._remedy = {p: self._single if by_id is None else by_id[id(p)] for p in self.lowprec_params}
-        for p in self.lowprec_params:
-            if p.dtype not in (torch.float32, torch.float64):
-                raise TypeError(f"low-precision parameters are simulated in float32 or float64; got {p.dtype}")
-            sharding.check_placements(p)    # FSDP2's Shard(0) (and Replicate) only
-        self._by_remedy = self._group_by_remedy()
-        # in state_dict: the Kahan buffers (made at the first step), the master copies (taken before any rounding)
-        self._compensation_buffers: dict = {}
-        self._masters: dict = {p: p.detach().clone() for p in self.params_with("master")}
+        # in state_dict: the Kahan buffers (made at the first step), the master copies and the remainders
+        self._compensation_buffers, self._masters, self._remainders = {}, {}, {}
+        self._check_and_copy(self.lowprec_params)
+        if self.params_with("feedback"):
+            storage.check_feedback(optimizer)
         self.packs = PackCache()    # the packs of small tensors and of Kahan's weights and buffers
+        self._opened: dict = {}     # during a step: the parameters stored in bf16/fp16, with float32 working copies
         if round_initial:
             self.round_params()
 
     def _group_by_remedy(self) -> dict:
         return {r: [p for p in self.lowprec_params if self._remedy[p] == r] for r in PLAN_REMEDIES}
+
+    def _check_and_copy(self, params: list) -> None:
+        """Check new low-precision parameters' dtypes; take their master copies (before any rounding), remainders."""
+        for p in params:
+            if p.dtype not in (torch.float32, torch.float64, *storage.STORED_DTYPES):
+                raise TypeError(f"a LowPrecisionOptimizer keeps parameters in float32 or float64 (a format simulated "
+                                f"on them) or really stored in torch.bfloat16 or torch.float16; got {p.dtype}")
+            if storage.is_stored(p) and format_of_dtype(p.dtype) != self.fmt.name:
+                raise ValueError(f"a parameter of shape {tuple(p.shape)} is stored in {p.dtype}, whose grid is "
+                                 f"{format_of_dtype(p.dtype)}; this optimizer's format is {self.fmt.name}: give "
+                                 f"fmt={format_of_dtype(p.dtype)!r}, or keep the parameters in float32 to simulate "
+                                 f"{self.fmt.name}")
+            if storage.is_stored(p) and sharding.is_sharded(p):
+                raise ValueError("FSDP2 parameters are rounded in float32 or float64 (a simulated format); these are "
+                                 f"stored in {p.dtype}: shard a float32 model")
+            if self._remedy[p] == "remainder" and (self.fmt.name != "bf16" or p.dtype == torch.float64):
+                raise ValueError(f"the remainder remedy keeps a float32 master as bf16 plus 16 bits: it needs the "
+                                 f"bf16 format on float32 or bfloat16 parameters; got {self.fmt.name} on {p.dtype}")
+            sharding.check_placements(p)    # FSDP2's Shard(0) (and Replicate) only
+        self._by_remedy = self._group_by_remedy()
+        self._masters.update({p: p.detach().to(torch.float64 if p.dtype == torch.float64 else torch.float32, copy=True)
+                              for p in params if self._remedy[p] == "master"})
+        for p in (p for p in params if self._remedy[p] == "remainder"):   # stored as the split now (exact, bf16)
+            stored, self._remainders[p] = storage.split_remainder(p.detach().float())
+            p.data.copy_(stored)
+
+    def buffer_dtype(self, param: torch.Tensor) -> torch.dtype:
+        """The dtype of ``param``'s Kahan buffer: its own when simulated; the buffer format's when really stored."""
+        return storage.storage_dtype(self.compensation_format, torch.float32) if (
+            param in self._opened or storage.is_stored(param)) else param.dtype
+
+    def state_dtype(self, param: torch.Tensor) -> torch.dtype:
+        """The dtype of the elementwise optimizer state of a parameter really stored in bf16 or fp16 between steps."""
+        return storage.storage_dtype(self.state_format, param.dtype)
 
     def remedy_of(self, param: torch.Tensor) -> Optional[str]:
         """How ``param`` is stored, one of :data:`~lowprec_demo.optim.plan.PLAN_REMEDIES` (None: full precision)."""
@@ -128,10 +168,12 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         """The low-precision parameters stored with ``remedy``, in the optimizer's order."""
         return self._by_remedy[remedy]
 
-    def _store(self, tensors: list, fmt: FloatFormat, rounding: str) -> None:
+    def _store(self, tensors: list, fmt: FloatFormat, rounding: str, working: Optional[bool] = None) -> None:
         """``t.copy_(quantize(t, ...))`` per tensor, in fewer memory passes: the small contiguous float32 ones rounded
         in their pack's buffer, where they then live (one call, and for SR one seed, per pack); the rest one by one."""
         policy = self.overflow if fmt is self.fmt else fmt.overflow
+        if working is None:     # float32 working copies (of bf16/fp16 storage) are not adopted into packs
+            working = any(t in self._opened for t in tensors)
         plan = self.packs.plan(tensors, _packable)
         if sharding.any_sharded(tensors):   # FSDP2: each process rounds its pieces, with the whole tensors' bits
             sharding.store_pieces(plan, fmt, rounding, self.generator, self.rand_bits, policy)
@@ -141,8 +183,10 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
             if pack is None:    # one tensor
                 members[0].copy_(quantize(members[0], fmt, rounding, **kw))
             else:
-                quantize_(pack.flat(members, adopt=self.packs.adopted), fmt, rounding, **kw)
+                quantize_(pack.flat(members, adopt=None if working else self.packs.adopted), fmt, rounding, **kw)
                 pack.put_back(members)
+                if working:
+                    pack.release()
 
     @torch.no_grad()
     def round_params(self, rounding: str = "nearest") -> None:
@@ -150,7 +194,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         ``rounding="stochastic"`` drawing from the optimizer's generator (as a step does)."""
         if rounding not in ROUNDING_MODES:
             raise ValueError(f"rounding must be one of {', '.join(ROUNDING_MODES)}; got {rounding!r}")
-        self._store(self.lowprec_params, self.fmt, rounding)
+        self._store([p for p in self.lowprec_params if not storage.is_stored(p)], self.fmt, rounding)
 
     def held_bytes(self) -> int:
         """The memory kept from step to step beyond the parameters and the inner optimizer's state:
@@ -158,24 +202,39 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         local, kahan = sharding.local_part, self.params_with("kahan")
         held = self.packs.held_bytes([local(p) for p in kahan], [local(self._compensation_buffers[p]) for p in kahan
                                                                  if p in self._compensation_buffers])
-        buffers = list(self._compensation_buffers.values()) + list(self._masters.values())
+        buffers = [*self._compensation_buffers.values(), *self._masters.values(), *self._remainders.values()]
         return held + sum(local(b).numel() * b.element_size() for b in buffers)
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None):
         """The inner optimizer's step between :meth:`before_inner_step` and :meth:`after_inner_step`."""
         self.before_inner_step()
-        loss = self.optimizer.step(closure)
+        try:
+            loss = self.optimizer.step(closure)
+        except BaseException:
+            self._close(keep=False)     # the parameters back in their storage as they were
+            raise
         self.after_inner_step()
         return loss
 
     def before_inner_step(self) -> None:
-        """The master copies into the parameters; called without grad by :meth:`step`, or around
-        the steps of an optimizer the loop steps itself (:func:`~lowprec_demo.monitor.attach_plan`)."""
+        """Float32 working copies of parameters really stored in bf16/fp16, the master copies into the parameters;
+        called without grad by :meth:`step`, or around the steps of an optimizer the loop steps itself
+        (:func:`~lowprec_demo.monitor.attach_plan`)."""
+        self._open()
         masters = self.params_with("master")
         if masters:   # the step starts from the master copy (gradients are the rounded weights')
             local = sharding.local_part    # (a sharded parameter's own piece; a plain tensor itself)
             torch._foreach_copy_([local(p) for p in masters], [local(self._masters[p]) for p in masters])
+        for p in self.params_with("remainder"):
+            p.copy_(storage.join_remainder(p, self._remainders[p]))
+
+    def _open(self) -> None:
+        self._opened = storage.open_step([p for p in self.lowprec_params if storage.is_stored(p)], self.optimizer.state)
+
+    def _close(self, keep: bool = True) -> None:
+        opened, self._opened = self._opened, {}
+        storage.close_step(opened, self.optimizer.state, self.state_dtype, keep)
 
     def after_inner_step(self) -> None:
         """Every low-precision parameter stored with its remedy, then the state on its grid."""
@@ -184,21 +243,39 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         if masters:
             torch._foreach_copy_([local(self._masters[p]) for p in masters], [local(p) for p in masters])
             self._store(masters, self.fmt, "nearest")
+        for p in self.params_with("remainder"):
+            p.copy_(storage.split_remainder(p, out=self._remainders[p])[0])
         if kahan:
             self.prepare_buffers()
-            self._kahan([local(p) for p in kahan], [local(self._compensation_buffers[p]) for p in kahan],
-                        adopt=not sharding.any_sharded(kahan))   # (FSDP2 keeps its pieces in storage of its own)
+            real = [p for p in kahan if p in self._opened]
+            if len(real) < len(kahan):
+                sim = [p for p in kahan if p not in self._opened]
+                self._kahan([local(p) for p in sim], [local(self._compensation_buffers[p]) for p in sim],
+                            adopt=not sharding.any_sharded(sim))   # (FSDP2 keeps its pieces in storage of its own)
+            if real:    # float32 working buffers, no packs (they would hold float32 copies between steps)
+                work = [self._compensation_buffers[p].float() for p in real]
+                self._kahan(real, work, pack=False)
+                torch._foreach_copy_([self._compensation_buffers[p] for p in real], work)
+        if feedback := self.params_with("feedback"):
+            intended = [p.detach().clone() for p in feedback]
+            self._store(feedback, self.fmt, self.rounding)
+            storage.feed_back(self.optimizer, feedback, torch._foreach_sub(intended, feedback))
         for rounding in (r for r in ROUNDING_MODES if self.params_with(r)):
             self._store(self.params_with(rounding), self.fmt, rounding)
+        stored = [p for p in self.lowprec_params if p in self._opened and self.state_format is None]
         if self.state_format is not None:
             self._store([v for p in self.lowprec_params for v in _elementwise_state(self.optimizer, p)],
-                        self.state_format, self.state_rounding)
+                        self.state_format, self.state_rounding, working=bool(self._opened))
+        elif stored:    # really stored: the state on the grid of the parameters' dtype, as torch keeps it
+            self._store([v for p in stored for v in _elementwise_state(self.optimizer, p)], self.fmt,
+                        self.state_rounding, working=True)
+        self._close()
 
-    def _kahan(self, params: list, buffers: list, adopt: bool = True) -> None:
+    def _kahan(self, params: list, buffers: list, adopt: bool = True, pack: bool = True) -> None:
         """Kahan compensation: ``p + buf`` rounded is stored, the residual (exact) kept in the buffer,
         on its own grid if any: float32 tensors in two packs (where they live, with ``adopt``)."""
         kept = self.packs.pair is not None and self.packs.pair[0] == tuple(map(id, params))
-        if not kept and not all(t.dtype == torch.float32 and t.is_contiguous() and t.device == params[0].device
+        if not pack or not kept and not all(t.dtype == torch.float32 and t.is_contiguous() and t.device == params[0].device
                                 for t in params + buffers):
             targets = torch._foreach_add(params, buffers)     # what the weights should be, residual included
             stored = [quantize(t, self.fmt, overflow=self.overflow) for t in targets]
@@ -220,8 +297,8 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
 
     def prepare_buffers(self) -> None:
         """Make the Kahan compensation buffers (zeros) that the first step would make."""
-        self._compensation_buffers.update({p: torch.zeros_like(p) for p in self.params_with("kahan")
-                                           if p not in self._compensation_buffers})
+        self._compensation_buffers.update({p: torch.zeros_like(p, dtype=self.buffer_dtype(p))
+                                           for p in self.params_with("kahan") if p not in self._compensation_buffers})
 
     @torch.no_grad()
     def prepare_state(self) -> None:
@@ -244,8 +321,10 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
                 p.grad = torch.zeros_like(p)
             for group in (group for group in self.optimizer.param_groups if "lr" in group):
                 group["lr"] = torch.zeros_like(group["lr"]) if torch.is_tensor(group["lr"]) else 0.0
+            self._open()
             self.optimizer.step()   # the inner one: no rounding, no random bits
         finally:
+            self._close()
             for p, g in zip(params, grads):
                 p.grad = g
             for group, lr in zip(self.optimizer.param_groups, lrs):
@@ -268,11 +347,9 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         new = select_params(self.optimizer.param_groups[-1]["params"], self.selection)
         self.lowprec_params.extend(new)
         self._remedy.update({p: self._single for p in new})
-        self._by_remedy = self._group_by_remedy()
-        if self.master_weights:
-            self._masters.update({p: p.detach().clone() for p in new})
+        self._check_and_copy(new)
         with torch.no_grad():
-            self._store(new, self.fmt, "nearest")
+            self._store([p for p in new if not storage.is_stored(p)], self.fmt, "nearest")
 
     def _param_index(self) -> tuple:
         """``({id(param): index}, params)`` in the optimizer's order, and the plan by index (None without one)."""
@@ -292,6 +369,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
             "compensation_format": None if self.compensation_format is None else self.compensation_format.name,
             "compensation_buffers": {index[id(p)]: b.clone() for p, b in self._compensation_buffers.items()},
             "master_weights": {index[id(p)]: b.clone() for p, b in self._masters.items()}, "plan": plan,
+            "remainders": {index[id(p)]: b.clone() for p, b in self._remainders.items()},
             "generator_state": gen.get_state() if isinstance(gen, torch.Generator) else None}
         for hook in self._optimizer_state_dict_post_hooks.values():
             returned = hook(self, state)
@@ -307,6 +385,13 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         extra = state_dict.pop("lowprec", None)
         self.optimizer.load_state_dict(state_dict)
         self.param_groups, self.state = self.optimizer.param_groups, self.optimizer.state
+        _, order, _ = self._param_index()
+        for i, saved in state_dict.get("state", {}).items():    # torch casts the state to the parameter's dtype
+            p = order[int(i)]
+            if p in self._remedy and storage.is_stored(p):
+                st = self.optimizer.state[p]
+                st.update({k: saved[k].to(device=p.device, dtype=self.state_dtype(p)).clone()
+                           for k in storage.elementwise_keys(st, p)})
         if extra is not None:
             self._load_lowprec(extra)
         for hook in self._optimizer_load_state_dict_post_hooks.values():
@@ -321,11 +406,13 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         if theirs != mine:
             raise ValueError("the state dict was saved with a different freeze plan (or with none): build this "
                              "optimizer with the plan it was saved with")
-        like = lambda b, p: b.to(device=p.device, dtype=p.dtype).clone()   # noqa: E731
-        self._compensation_buffers = {order[int(i)]: like(b, order[int(i)])
+        like = lambda b, t: b.to(device=t.device, dtype=t.dtype).clone()   # noqa: E731
+        self._compensation_buffers = {order[int(i)]: like(b, torch.empty(0, dtype=self.buffer_dtype(order[int(i)]),
+                                                                         device=order[int(i)].device))
                                       for i, b in extra.get("compensation_buffers", {}).items()}
-        self._masters.update({order[int(i)]: like(b, order[int(i)]) for i, b in extra.get("master_weights", {}).items()
-                              if order[int(i)] in self._masters})
+        for name, kept in (("master_weights", self._masters), ("remainders", self._remainders)):
+            kept.update({order[int(i)]: like(b, kept[order[int(i)]]) for i, b in extra.get(name, {}).items()
+                         if order[int(i)] in kept})
         if extra.get("generator_state") is not None and isinstance(self.generator, torch.Generator):
             self.generator.set_state(extra["generator_state"])
 

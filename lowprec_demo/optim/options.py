@@ -24,7 +24,7 @@ from lowprec_demo.rounding.core import ROUNDING_MODES, GeneratorLike
 __all__ = ["select_params", "check_options", "make_generator", "PARAM_SELECTIONS", "COMPENSATIONS"]
 
 PARAM_SELECTIONS = ("all", "matrices")
-COMPENSATIONS = (None, "kahan")
+COMPENSATIONS = (None, "kahan", "remainder", "feedback")
 
 ParamSelection = Union[str, Callable[[torch.Tensor], bool], Iterable[torch.Tensor]]
 
@@ -73,9 +73,9 @@ def check_options(optimizer, fmt, rounding, state_rounding, compensation, compen
         if value not in ROUNDING_MODES:
             raise ValueError(f"{name} must be one of {', '.join(ROUNDING_MODES)}; got {value!r}")
     if compensation not in COMPENSATIONS:
-        raise ValueError(f"compensation must be one of None, 'kahan'; got {compensation!r}")
-    if compensation == "kahan" and rounding != "nearest":
-        raise ValueError("compensation='kahan' is a remedy for round-to-nearest; use rounding='nearest'")
+        raise ValueError(f"compensation must be one of {', '.join(map(repr, COMPENSATIONS))}; got {compensation!r}")
+    if compensation in ("kahan", "remainder") and rounding != "nearest":
+        raise ValueError(f"compensation={compensation!r} is a remedy for round-to-nearest; use rounding='nearest'")
     if compensation_format is not None and compensation != "kahan":
         raise ValueError("compensation_format is the format of the Kahan buffer: give compensation='kahan' too")
     if not isinstance(master_weights, bool):

@@ -13,6 +13,10 @@ then those frozen now, then by forecast freeze step, the smaller first at a tie)
   to freeze before the run ends;
 * ``"stochastic"`` (no byte more) to those left once the budget is spent, ``"nearest"`` to the others.
 
+``remedies`` widens the choice: with ``"remainder"`` (bf16 only) the tensors that need a master copy or a Kahan buffer
+get the 16-bit remainder instead (an exact float32 master for 2 bytes); with ``"feedback"`` and no ``"stochastic"``,
+error feedback takes stochastic rounding's place (:mod:`~lowprec_demo.optim.storage`).
+
 Example:
     >>> p = FreezePlan("bf16", {"w": "master", "b": "nearest"}, sizes={"w": 10, "b": 30})
     >>> p.bytes_per_parameter()["extra"]      # 10 of 40 elements with 4 bytes more
@@ -33,7 +37,8 @@ from lowprec_demo.common.output import atomic_write_json
 
 __all__ = ["FreezePlan", "PLAN_REMEDIES", "make_plan", "load_plan", "kahan_buffer_format", "resolve_plan"]
 
-PLAN_REMEDIES = ("nearest", "stochastic", "kahan", "master")
+PLAN_REMEDIES = ("nearest", "stochastic", "kahan", "master", "remainder", "feedback")
+CLASSIC_REMEDIES = PLAN_REMEDIES[:4]     # a plan's default choice
 
 
 def kahan_buffer_format(fmt) -> Optional[str]:
@@ -61,6 +66,7 @@ class FreezePlan:
     step: Optional[int] = None
     total_steps: Optional[int] = None
     needs: List[dict] = field(default_factory=list)
+    fallback: str = "stochastic"      # once the budget is spent
 
     def __post_init__(self) -> None:
         self.format = get_format(self.format).name            # a ValueError names the valid formats
@@ -89,11 +95,11 @@ class FreezePlan:
         for n in order:
             preferred, size = by[n]["remedy"], self.sizes[n]
             options = [preferred] + (["kahan"] if preferred == "master" else [])
-            chosen = next((r for r in options if self.extra_bytes(r) * size <= left + 1e-9), "stochastic")
+            chosen = next((r for r in options if self.extra_bytes(r) * size <= left + 1e-9), self.fallback)
             left -= self.extra_bytes(chosen) * size
             out.remedies[n] = chosen
             out.reasons[n] = by[n]["why"] + ("" if chosen == preferred else f"; {chosen}" + (
-                " (the budget is spent)" if chosen == "stochastic" else " (a master copy would exceed the budget)"))
+                " (the budget is spent)" if chosen == self.fallback else " (a master copy would exceed the budget)"))
         return out
 
     def remedy(self, name: str) -> str:
@@ -112,7 +118,7 @@ class FreezePlan:
         """What ``remedy`` stores per element beyond the weight itself."""
         if remedy == "kahan":
             return get_format(self.kahan_format).bits / 8 if self.kahan_format else 4.0
-        return 4.0 if remedy == "master" else 0.0     # a float32 master copy
+        return {"master": 4.0, "remainder": 2.0}.get(remedy, 0.0)     # a float32 master copy, its low 16 bits
 
     def bytes_per_parameter(self) -> dict:
         """Per element of the plan's tensors: ``weights``, ``master``, ``compensation``, ``extra`` (their
@@ -121,8 +127,8 @@ class FreezePlan:
         count = sum(sizes.values())
         out = {"weights": get_format(self.format).bits / 8, "master": 0.0, "compensation": 0.0}
         for n, r in self.remedies.items():
-            if r in ("master", "kahan"):
-                out["master" if r == "master" else "compensation"] += sizes[n] * self.extra_bytes(r) / count
+            if r in ("master", "remainder", "kahan"):
+                out["compensation" if r == "kahan" else "master"] += sizes[n] * self.extra_bytes(r) / count
         out["extra"] = out["master"] + out["compensation"]
         out["total"] = out["weights"] + out["extra"]
         return out
@@ -158,7 +164,8 @@ class FreezePlan:
         return cls(d["format"], d["remedies"], d.get("reasons", {}), needs=[dict(x) for x in d.get("needs", [])],
                    **{k: {n: f(v) for n, v in d.get(k, {}).items()} for k, f in (("sizes", int), ("shapes", list),
                                                                                 ("positions", int))},
-                   **{k: d.get(k) for k in ("kahan_format", "budget", "step", "total_steps")})
+                   **{k: d.get(k) for k in ("kahan_format", "budget", "step", "total_steps")},
+                   fallback=d.get("fallback", "stochastic"))
 
     def save(self, path) -> Path:
         """Write the plan as JSON, atomically."""
@@ -171,21 +178,24 @@ def load_plan(path) -> FreezePlan:
 
 
 def make_plan(watch, fmt=None, budget: float = 1.0, threshold: Optional[float] = None,
-              total_steps: Optional[int] = None, kahan_format="auto") -> FreezePlan:
-    """The plan (the module docstring's rule) of a watch in prediction mode for ``fmt`` (None: its
-    first), from its diagnoses and forecast; ``kahan_format``: ``"auto"``, a format, None (float32)."""
-    if watch.mode != "predict":
-        raise ValueError("a plan is made from the forecast of a float32 run (the watch in prediction mode); this "
-                         "watch observes parameters stored in low precision")
+              total_steps: Optional[int] = None, kahan_format="auto", remedies=CLASSIC_REMEDIES) -> FreezePlan:
+    """The plan (the module docstring's rule) of a watch for ``fmt`` (None: its first), from its diagnoses and
+    forecast; ``kahan_format``: ``"auto"``, a format, None (float32); ``remedies``: those it may give."""
     if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget >= 0:
         raise ValueError(f"budget must be a number of bytes per parameter >= 0, got {budget!r}")
+    if isinstance(remedies, str) or not set(remedies) <= set(PLAN_REMEDIES) or "nearest" not in remedies:
+        raise ValueError(f"remedies must be some of {', '.join(PLAN_REMEDIES)}, 'nearest' among them; got {remedies!r}")
     f = watch.record(fmt).format
+    exact = "remainder" if "remainder" in remedies else None
+    if exact and f != "bf16":
+        raise ValueError(f"the remainder remedy keeps a float32 master as bf16 plus 16 bits; this plan is for {f}")
+    fallback = next((r for r in ("stochastic", "feedback") if r in remedies), "nearest")
     fc = watch.forecast(f, threshold, total_steps)
     total = total_steps if total_steps is not None else watch.total_steps
     plan = FreezePlan(f, {n: "nearest" for n in watch.tracked}, {}, {n: watch.sizes[n] for n in watch.tracked},
                       {n: list(watch.shape_of(n)) for n in watch.tracked},
                       {n: watch.names.index(n) for n in watch.tracked}, kahan_format, float(budget), watch.steps[-1],
-                      total)
+                      total, fallback=fallback)
     held = {d.tensor: d for d in watch.diagnoses()
             if d.kind in ("cannot_move", "frozen") and d.numbers.get("format") == f}
     needs = []      # (order of need, size, name, preferred remedy, why)
@@ -207,7 +217,7 @@ def make_plan(watch, fmt=None, budget: float = 1.0, threshold: Optional[float] =
             needs.append(((2, at), watch.sizes[n], n, "kahan", why))
         else:
             plan.reasons[n] = f"forecast not to freeze within the run's {total} steps"
-    plan.needs = [{"tensor": n, "remedy": preferred, "why": why}
+    plan.needs = [{"tensor": n, "remedy": exact or preferred, "why": why}
                   for _, _, n, preferred, why in sorted(needs, key=lambda x: (x[0], x[1]))]
     return plan.allocate()
 
