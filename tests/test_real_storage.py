@@ -231,3 +231,30 @@ def test_attach_plan_on_a_bf16_model_mixes_remedies():
     b = bytes_per_parameter(attached)
     assert b["held"] == pytest.approx(b["total"], abs=0.01)
     attached.detach_plan()
+
+
+def test_no_working_copy_outlives_its_step():
+    """Between steps the process holds the stored tensors, the state in its dtype and the wrapper's own tensors only:
+    every float32 tensor made during a step is freed (weak references to them die)."""
+    import gc
+    import weakref
+    model = _model().to(torch.bfloat16)
+    opt = _make(model, "stochastic", True)
+    made = []
+    real_float = torch.Tensor.float
+
+    def tracking_float(t, *a, **k):
+        out = real_float(t, *a, **k)
+        if out is not t:
+            made.append(weakref.ref(out))
+        return out
+
+    grads = _grads(model, 3)
+    try:
+        torch.Tensor.float = tracking_float
+        _run(model, opt, grads, True)
+    finally:
+        torch.Tensor.float = real_float
+    gc.collect()
+    assert made and all(ref() is None for ref in made)
+    assert all(not plan for plan in opt.packs.plans.values()) and opt.held_bytes() == 0

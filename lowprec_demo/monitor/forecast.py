@@ -213,9 +213,8 @@ def forecast_curves(watch, fmt=None, total_steps: Optional[int] = None,
 
 
 def _check_forecast(watch) -> None:
-    if watch.mode != "predict":
-        raise ValueError("a forecast needs the updates of a float32 run (the watch in prediction mode); this "
-                         "watch observes parameters stored in low precision")
+    if watch.no_forecast:     # observation under an optimizer whose state the watch does not read
+        raise ValueError(watch.no_forecast)
     if not watch.steps:
         raise ValueError("nothing watched yet: call forecast after at least one optimizer step")
 
@@ -233,8 +232,7 @@ def schedule_ahead(watch, total_steps: Optional[int] = None) -> Dict[int, List[f
 def update_ratios(watch, fmt=None, q: float = 0.5) -> Dict[str, float]:
     """Per tensor, the ``q`` quantile of ``|d| / (lr gap)``: the upper edge of the bin where the
     histogram's cumulative fraction reaches ``q`` (0 in the first); it freezes below lr ``1 / (2 ratio)``."""
-    if watch.mode != "predict" or not watch.steps:
-        raise ValueError("update ratios are measured in prediction mode, after at least one watched step")
+    _check_forecast(watch)
     if not 0.0 < q < 1.0:
         raise ValueError(f"q must be in (0, 1), got {q!r}")
     out, hist = {}, watch.ratio_histogram(fmt)

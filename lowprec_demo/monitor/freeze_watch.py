@@ -13,7 +13,9 @@ storage. *prediction*, for float32 (or float64) parameters: per format, the frac
 would leave in place (``q(q(w) + d) == q(w)``), the fraction stochastic rounding would move, and the
 ``|d| / (lr gap)`` the forecast reads. *observation*, for low-precision parameters (a low-precision dtype, or a
 ``LowPrecisionOptimizer``'s grid): the fraction the step left bit for bit the same, *frozen* (with a gradient) or
-*idle* (without). Under FSDP2 one ``all_reduce`` per step adds the counts.
+*idle* (without); under AdamW, Adam or SGD also the update the optimizer meant, read from its state
+(:mod:`~lowprec_demo.monitor.intended`), for prediction's histograms of the stored format (forecast and plan) and
+``expected_record``, the frozen fraction it predicts. Under FSDP2 one ``all_reduce`` per step adds the counts.
 
 Example:
     >>> import torch, lowprec_demo as lp
@@ -38,6 +40,7 @@ from lowprec_demo.formats import FloatFormat, format_of_dtype, get_format
 from lowprec_demo.freeze.records import FreezeRecord, freeze_step
 from lowprec_demo.monitor import forecast as watch_forecast
 from lowprec_demo.monitor import sampling
+from lowprec_demo.monitor.intended import intended_update, unsupported
 from lowprec_demo.monitor.counting import (add_point, compile_up_front, observed_counts, predicted_counts,
                                            state_counters)
 from lowprec_demo.monitor.diagnoses import Diagnosis, diagnose
@@ -68,7 +71,8 @@ def _inner(optimizer):
 class FreezeWatch:
     """What :func:`watch` returns (the arguments are its own): the hooks, the measurements and the answers. ``mode``
     is ``"predict"`` or ``"observe"``, ``formats`` the records' format names, ``steps`` the optimizer step of every
-    watched point (0-based), ``names`` and ``sizes`` the optimizer's non-empty parameters in order."""
+    watched point (0-based), ``names`` and ``sizes`` the optimizer's non-empty parameters in order, ``no_forecast``
+    why no forecast or plan can be made (None: they can)."""
 
     def __init__(self, model: torch.nn.Module, optimizer, formats: Sequence = ("bf16",), scheduler=None,
                  every: int = 1, threshold: float = 0.5, total_steps: Optional[int] = None,
@@ -130,6 +134,12 @@ class FreezeWatch:
             f.name for f in self.formats_given]
         self.records = {f: FreezeRecord(format=f, kind="predicted" if self.mode == "predict" else "observed")
                         for f in self.formats}
+        # observation: why no forecast can be made (None: it can), and the frozen fraction the meant update predicts
+        self.no_forecast = None if self.mode == "predict" else unsupported(self.optimizer) or (
+            None if len(self.formats) == 1 else f"a forecast of parameters stored in low precision needs one storage "
+            f"format; this watch observes {', '.join(self.formats)}")
+        self.expected = {} if self.no_forecast or self.mode == "predict" else {
+            f: FreezeRecord(format=f, kind="predicted") for f in self.formats}
         self.steps, self.lrs = [], []          # per watched step: the step, the lr per param group
         self.idle = {n: [] for n in self.tracked}                # per watched step: the fraction with no gradient,
         self.frozen_with_grad = {n: [] for n in self.tracked}    # and the fraction frozen with one
@@ -185,10 +195,16 @@ class FreezeWatch:
             idle, same, frozen_grad = parts.tolist()                  # one transfer
             self._add_idle(idle, frozen_grad)
             names = list(dict.fromkeys(self._formats[n].name for n in self.tracked))
-            self._append({f: [(n, same[j], plan.counts[j], None) for j, n in enumerate(self.tracked)
-                              if self._formats[n].name == f] for f in names})
+            self._append(self.records, {f: [(n, same[j], plan.counts[j], None) for j, n in enumerate(self.tracked)
+                                            if self._formats[n].name == f] for f in names})
+            if self.expected:      # the update meant, by prediction's rule at the stored weights
+                old = self._before.float()
+                d = intended_update(self.optimizer, plan, params, [self._lr_now[self._group[n]] for n in self.tracked],
+                                    old, grad)
+                self._predict(plan, old, (old.double() + d).float(), grad.float(), self.stored_formats(), self.expected)
         else:
-            self._predict(plan, self._before, new, grad, row_names, rows)
+            rows = self._predict(plan, self._before, new, grad, self.formats_given, self.records, rows)
+            self._add_rows(row_names, rows)
         self._watch_counters(step)
         if self.writer is not None:
             for f in self.formats:
@@ -222,33 +238,34 @@ class FreezeWatch:
             self.frozen_with_grad[n].append(frozen_grad[j] / self._plan.counts[j])
 
     def _predict(self, plan: "sampling.SamplePlan", old: torch.Tensor, new: torch.Tensor, grad: torch.Tensor,
-                 row_names: List[str], rows: List[torch.Tensor]) -> None:
-        """Prediction mode's point of every record, and the forecast's histograms."""
+                 formats: List[FloatFormat], records: Dict[str, FreezeRecord], rows=()) -> List[torch.Tensor]:
+        """Prediction's point of each format's record for the update ``new - old``, the forecast's histograms (and the
+        idle fractions, into ``self.records``); returns ``rows`` reduced with the counts."""
         same = all(lr == self._lr_now[0] for lr in self._lr_now)    # one learning rate: one value for all
         lrs = torch.tensor(self._lr_now[:1] if same else [self._lr_now[self._group[n]] for n in self.tracked],
                            dtype=torch.float64)
         log_lr = torch.log2(lrs.clamp(min=1e-300)).to(torch.float32).to(new.device)
         left = None if self.total_steps is None else -(-max(0, self.total_steps - self.steps[-1]) // self.every)
-        compile_now = not self._compile_checked and compile_up_front(old, self.formats_given, left)   # at the first
+        compile_now = not self._compile_checked and compile_up_front(old, formats, left)   # at the first
         self._compile_checked = True
-        local = predicted_counts(plan, old, new, grad, self.formats_given, log_lr.reshape(()) if same else log_lr,
-                                 compile_now)
-        reduced = plan.reduce(local + rows)    # sharded: the counts of every process added, one all_reduce
-        self._add_rows(row_names, reduced[len(local):])
+        local = predicted_counts(plan, old, new, grad, formats, log_lr.reshape(()) if same else log_lr, compile_now)
+        reduced = plan.reduce(local + list(rows))    # sharded: the counts of every process added, one all_reduce
         sums = []
-        for i, fmt in enumerate(self.formats_given):
+        for i, fmt in enumerate(formats):
             hist, flags, moved_sums = reduced[3 * i:3 * i + 3]     # flags: (tensor, frozen, gradient)
             self._ratios.add(fmt.name, self.steps[-1], hist)
             sums.append(torch.stack([flags[:, 1].sum(1).double(), flags[:, 1, 1].double(),
                                      flags[:, :, 0].sum(1).double(), moved_sums]))
         values = torch.stack(sums).tolist()  # one transfer
-        self._add_idle(values[0][2], values[0][1])
-        self._append({fmt.name: [(n, frozen[j], plan.counts[j], moved[j]) for j, n in enumerate(self.tracked)]
-                      for fmt, (frozen, _, _, moved) in zip(self.formats_given, values)})
+        if records is self.records:
+            self._add_idle(values[0][2], values[0][1])
+        self._append(records, {fmt.name: [(n, frozen[j], plan.counts[j], moved[j]) for j, n in enumerate(self.tracked)]
+                               for fmt, (frozen, _, _, moved) in zip(formats, values)})
+        return reduced[len(local):]
 
-    def _append(self, rows: Dict[str, list]) -> None:
+    def _append(self, records: Dict[str, FreezeRecord], rows: Dict[str, list]) -> None:
         for f, items in rows.items():
-            add_point(self.records[f], items, self.sizes, moves=self.mode == "predict")
+            add_point(records[f], items, self.sizes, moves=records[f].kind == "predicted")
 
     def _watch_counters(self, step: int) -> None:
         """Optimizer-state counters (``step``) held in a float format: do they still count?"""
@@ -286,6 +303,14 @@ class FreezeWatch:
         if name not in self.records:
             raise KeyError(f"no record for {name}; this watch records: {', '.join(self.formats)}")
         return self.records[name]
+
+    def expected_record(self, fmt=None) -> FreezeRecord:
+        """Observation: the record (kind ``"predicted"``) of the frozen fraction the update meant predicts by the rule
+        ``q(w + d) == w``, watched step by watched step beside :meth:`record`'s observed one."""
+        if not self.expected:
+            raise ValueError(self.no_forecast or f"expected_record() is observation's (parameters stored in low "
+                             f"precision); this watch predicts {', '.join(self.formats)}: record() holds that")
+        return self.expected[self.record(fmt).format]
 
     def frozen_since(self, fmt=None, threshold: Optional[float] = None) -> Dict[str, Optional[int]]:
         """The step from which each tensor and ``"overall"`` stayed at or above the threshold."""

@@ -37,11 +37,13 @@ class AttachedPlan(LowPrecisionOptimizer):
 
     @torch.no_grad()
     def _before(self, opt, args, kwargs) -> None:
+        self._hidden = self.step_stored()     # bf16/fp16 storage: stepped here, hidden from the optimizer's own step
         self.before_inner_step()
 
     @torch.no_grad()
     def _after(self, opt, args, kwargs) -> None:
         self.after_inner_step()
+        self.show_grads(self._hidden)
 
     def detach_plan(self) -> None:
         """Remove the hooks: the optimizer's steps store the parameters as it computes them."""
@@ -95,23 +97,22 @@ class _Planner:
         self.plan = self.plan_optimizer = None
 
     def check(self, w, model) -> None:
-        """Raise ValueError now unless the watch predicts the plan's format with a run length."""
+        """Raise ValueError now unless the watch forecasts the plan's format with a run length, and the plan can be
+        attached (a plain torch optimizer; stored in low precision: one whose update the watch reads)."""
         if self.after is None:
             return
-        if w.mode != "predict":
-            low = [(n, p.dtype) for n, p in model.named_parameters()
-                   if n in w.names and p.dtype not in (torch.float32, torch.float64)]
-            where = (f"the trained parameters are stored in {', '.join(sorted({str(d) for _, d in low}))} "
-                     f"(e.g. {low[0][0]})" if low else
-                     "the optimizer is a LowPrecisionOptimizer, which keeps the parameters on its grid already")
-            raise ValueError(f"plan_after={self.after}: a freeze plan is made from the updates of a float32 run (the "
-                             f"watch in prediction mode), but {where}. Allowed: parameters in torch.float32 or "
-                             f"torch.float64 under a plain torch optimizer; train in float32 (e.g. load the model with "
-                             f"dtype=torch.float32) to plan, or leave plan_after out to watch this run")
+        if isinstance(w.optimizer, LowPrecisionOptimizer):
+            raise ValueError(f"plan_after={self.after}: the optimizer is a LowPrecisionOptimizer, which keeps the "
+                             f"parameters on its grid already; give it the plan itself (plan=watch.plan()). Allowed: "
+                             f"a plain torch optimizer")
+        if w.no_forecast:
+            raise ValueError(f"plan_after={self.after}: {w.no_forecast}, or leave plan_after out to watch this run")
         fmt = self.format if self.format is not None else w.formats[0]
         if fmt not in w.formats:
-            raise ValueError(f"plan_format={fmt!r} is not one of the formats the watch predicts "
-                             f"({', '.join(w.formats)}); add it to formats=... or choose one of those")
+            what = "predicts; add it to formats=... or choose" if w.mode == "predict" else \
+                "observes, the parameters' storage (cast the model to it to plan for it); choose"
+            raise ValueError(f"plan_format={fmt!r} is not one of the formats the watch {what} one of "
+                             f"{', '.join(w.formats)}")
         if w.total_steps is None:
             raise ValueError(f"plan_after={self.after}: the plan needs the run's length (its forecast runs to the end "
                              f"of the run), and the trainer gives none: set a number of steps (max_steps)")

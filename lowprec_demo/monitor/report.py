@@ -46,9 +46,10 @@ def jsonable(x):
 
 def report_data(watch) -> dict:
     """A :class:`~lowprec_demo.monitor.freeze_watch.FreezeWatch`'s report as JSON-ready data:
-    settings, steps, records, freeze steps, forecast (with a known run length), diagnoses."""
+    settings, steps, records, freeze steps, forecast (with a known run length), diagnoses; in observation under a
+    supported optimizer, ``"expected"``: the records of the update meant (older reports lack it)."""
     forecasts, curves = {}, {}
-    if watch.mode == "predict" and watch.steps and watch.total_steps:
+    if not watch.no_forecast and watch.steps and watch.total_steps:
         for f in watch.formats:
             forecasts[f] = watch_forecast.forecast(watch, f, curves=True)
             curves[f] = {n: {str(s): v for s, v in c.items()} for n, c in forecasts[f].pop("curves").items()}
@@ -58,7 +59,8 @@ def report_data(watch) -> dict:
             "records": {f: r.to_dict() for f, r in watch.records.items()}, "idle": watch.idle,
             "frozen_since": {f: watch.frozen_since(f) for f in watch.formats},
             "forecast": forecasts, "forecast_curves": curves,
-            "diagnoses": [asdict(d) for d in watch.diagnoses()]}
+            "diagnoses": [asdict(d) for d in watch.diagnoses()]} | (
+        {"expected": {f: r.to_dict() for f, r in watch.expected.items()}} if watch.expected else {})
 
 
 def save_report(watch, path) -> None:
@@ -172,7 +174,7 @@ class WatchReport:
                  f"{'forecast (band)':>16}  diagnosis"]
         for r in rows:
             now = "-" if r["frozen_now"] is None else f"{r['frozen_now']:.3f}"
-            ahead = _band(r["forecast"]) if d["mode"] == "predict" else "n/a"
+            ahead = _band(r["forecast"]) if d["mode"] == "predict" or d["forecast"] else "n/a"
             lines.append(f"{r['tensor']:<{width}}  {r['size']:>11,}  {r['format']:>6}  {now:>10}  "
                          f"{_step(r['frozen_since']):>6}  {ahead:>16}  {r['diagnosis']}")
         text = "\n".join(lines + ([""] + group_lines(d["diagnoses"]) if d["diagnoses"] else []))

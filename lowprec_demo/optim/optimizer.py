@@ -11,7 +11,7 @@ from lowprec_demo.formats import FloatFormat, check_overflow_policy, format_of_d
 from lowprec_demo.optim import sharding, storage
 from lowprec_demo.optim.options import (COMPENSATIONS, PARAM_SELECTIONS, ParamSelection, check_options,
                                          make_generator, select_params)
-from lowprec_demo.optim.packing import PackCache
+from lowprec_demo.optim.packing import PackCache, group
 from lowprec_demo.optim.plan import PLAN_REMEDIES, FreezePlan, resolve_plan
 from lowprec_demo.rounding import kernels
 from lowprec_demo.rounding.core import ROUNDING_MODES, GeneratorLike, quantize, quantize_
@@ -120,6 +120,7 @@ their own dtype, as torch keeps it); ``round_initial``: round them now, for the 
             storage.check_feedback(optimizer)
         self.packs = PackCache()    # the packs of small tensors and of Kahan's weights and buffers
         self._opened: dict = {}     # during a step: the parameters stored in bf16/fp16, with float32 working copies
+        self._stored = [p for p in self.lowprec_params if storage.is_stored(p)]
         if round_initial:
             self.round_params()
 
@@ -174,7 +175,8 @@ their own dtype, as torch keeps it); ``round_initial``: round them now, for the 
         policy = self.overflow if fmt is self.fmt else fmt.overflow
         if working is None:     # float32 working copies (of bf16/fp16 storage) are not adopted into packs
             working = any(t in self._opened for t in tensors)
-        plan = self.packs.plan(tensors, _packable)
+        # (working copies: packs made for this call only, so that no cache keeps them)
+        plan = (PackCache() if working else self.packs).plan(tensors, _packable)
         if sharding.any_sharded(tensors):   # FSDP2: each process rounds its pieces, with the whole tensors' bits
             sharding.store_pieces(plan, fmt, rounding, self.generator, self.rand_bits, policy)
             return
@@ -185,8 +187,6 @@ their own dtype, as torch keeps it); ``round_initial``: round them now, for the 
             else:
                 quantize_(pack.flat(members, adopt=None if working else self.packs.adopted), fmt, rounding, **kw)
                 pack.put_back(members)
-                if working:
-                    pack.release()
 
     @torch.no_grad()
     def round_params(self, rounding: str = "nearest") -> None:
@@ -207,68 +207,109 @@ their own dtype, as torch keeps it); ``round_initial``: round them now, for the 
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None):
-        """The inner optimizer's step between :meth:`before_inner_step` and :meth:`after_inner_step`."""
-        self.before_inner_step()
+        """The parameters stored in bf16/fp16 stepped (:meth:`step_stored`), then the inner optimizer's step over the
+        others between :meth:`before_inner_step` and :meth:`after_inner_step`."""
+        loss = None
+        if self._stored and closure is not None:
+            with torch.enable_grad():
+                loss, closure = closure(), None     # (one evaluation, before any weight moves)
+        hidden = self.step_stored()
         try:
-            loss = self.optimizer.step(closure)
-        except BaseException:
-            self._close(keep=False)     # the parameters back in their storage as they were
-            raise
-        self.after_inner_step()
-        return loss
+            self.before_inner_step()
+            out = self.optimizer.step(closure)
+            self.after_inner_step()
+        finally:
+            self.show_grads(hidden)
+        return out if loss is None else loss
 
-    def before_inner_step(self) -> None:
-        """Float32 working copies of parameters really stored in bf16/fp16, the master copies into the parameters;
-        called without grad by :meth:`step`, or around the steps of an optimizer the loop steps itself
-        (:func:`~lowprec_demo.monitor.attach_plan`)."""
-        self._open()
-        masters = self.params_with("master")
+    def step_stored(self) -> dict:
+        """Step the parameters really stored in bf16/fp16 (none: nothing to do), a pack at a time (a large tensor
+        alone, small ones together, :func:`~lowprec_demo.optim.packing.group`): float32 working copies of a pack's
+        weights, gradients and state, the inner optimizer's step over them alone (without its step hooks), the remedy,
+        back into storage. Their gradients are then hidden from the inner optimizer's own step (which skips a
+        parameter without one): returns them for :meth:`show_grads`."""
+        if not self._stored:
+            return {}
+        inner, groups = self.optimizer, self.optimizer.param_groups
+        raw = type(inner).step
+        raw = raw.__wrapped__ if getattr(raw, "hooked", False) else raw     # torch's wrapper runs the hooks
+        try:
+            for run in group(self._stored):
+                chunk = {self._stored[i] for i in run}
+                inner.param_groups = [{**g, "params": [p for p in g["params"] if p in chunk]} for g in groups]
+                self._opened = storage.open_step([self._stored[i] for i in run], inner.state)
+                try:
+                    self.before_inner_step(chunk)
+                    raw(inner)
+                    self.after_inner_step(chunk)
+                finally:
+                    self._close(keep=False)     # (after_inner_step closed it, unless the step failed)
+        finally:
+            inner.param_groups = self.param_groups = groups
+        hidden = {p: p.grad for p in self._stored}
+        for p in self._stored:
+            p.grad = None
+        return hidden
+
+    @staticmethod
+    def show_grads(hidden: dict) -> None:
+        """Give back the gradients :meth:`step_stored` hid."""
+        for p, grad in hidden.items():
+            p.grad = grad
+
+    def before_inner_step(self, only: Optional[set] = None) -> None:
+        """The master copies and the remainders' masters into the parameters (those in ``only``; None: those not
+        stored in bf16/fp16); called without grad by :meth:`step`, or around the steps of an optimizer the loop steps
+        itself (:func:`~lowprec_demo.monitor.attach_plan`)."""
+        masters = self._with("master", only)
         if masters:   # the step starts from the master copy (gradients are the rounded weights')
             local = sharding.local_part    # (a sharded parameter's own piece; a plain tensor itself)
             torch._foreach_copy_([local(p) for p in masters], [local(self._masters[p]) for p in masters])
-        for p in self.params_with("remainder"):
+        for p in self._with("remainder", only):
             p.copy_(storage.join_remainder(p, self._remainders[p]))
 
-    def _open(self) -> None:
-        self._opened = storage.open_step([p for p in self.lowprec_params if storage.is_stored(p)], self.optimizer.state)
+    def _with(self, remedy: str, only: Optional[set]) -> list:
+        """The parameters stored with ``remedy`` in ``only`` (None: those simulated, not stored in bf16/fp16)."""
+        if only is None:
+            return [p for p in self.params_with(remedy) if not storage.is_stored(p)] if self._stored \
+                else self.params_with(remedy)
+        return [p for p in self.params_with(remedy) if p in only]
 
     def _close(self, keep: bool = True) -> None:
         opened, self._opened = self._opened, {}
         storage.close_step(opened, self.optimizer.state, self.state_dtype, keep)
 
-    def after_inner_step(self) -> None:
-        """Every low-precision parameter stored with its remedy, then the state on its grid."""
-        local = sharding.local_part
-        masters, kahan = self.params_with("master"), self.params_with("kahan")
+    def after_inner_step(self, only: Optional[set] = None) -> None:
+        """Every low-precision parameter (in ``only``, as in :meth:`before_inner_step`) stored with its remedy, then
+        the state on its grid; working copies of bf16/fp16 storage put back."""
+        local, working = sharding.local_part, bool(self._opened)
+        masters, kahan = self._with("master", only), self._with("kahan", only)
         if masters:
             torch._foreach_copy_([local(self._masters[p]) for p in masters], [local(p) for p in masters])
             self._store(masters, self.fmt, "nearest")
-        for p in self.params_with("remainder"):
+        for p in self._with("remainder", only):
             p.copy_(storage.split_remainder(p, out=self._remainders[p])[0])
         if kahan:
             self.prepare_buffers()
-            real = [p for p in kahan if p in self._opened]
-            if len(real) < len(kahan):
-                sim = [p for p in kahan if p not in self._opened]
-                self._kahan([local(p) for p in sim], [local(self._compensation_buffers[p]) for p in sim],
-                            adopt=not sharding.any_sharded(sim))   # (FSDP2 keeps its pieces in storage of its own)
-            if real:    # float32 working buffers, no packs (they would hold float32 copies between steps)
-                work = [self._compensation_buffers[p].float() for p in real]
-                self._kahan(real, work, pack=False)
-                torch._foreach_copy_([self._compensation_buffers[p] for p in real], work)
-        if feedback := self.params_with("feedback"):
+            if not working:
+                self._kahan([local(p) for p in kahan], [local(self._compensation_buffers[p]) for p in kahan],
+                            adopt=not sharding.any_sharded(kahan))   # (FSDP2 keeps its pieces in storage of its own)
+            else:    # float32 working buffers, no packs (they would hold float32 copies between steps)
+                work = [self._compensation_buffers[p].float() for p in kahan]
+                self._kahan(kahan, work, pack=False)
+                torch._foreach_copy_([self._compensation_buffers[p] for p in kahan], work)
+        if feedback := self._with("feedback", only):
             intended = [p.detach().clone() for p in feedback]
             self._store(feedback, self.fmt, self.rounding)
             storage.feed_back(self.optimizer, feedback, torch._foreach_sub(intended, feedback))
-        for rounding in (r for r in ROUNDING_MODES if self.params_with(r)):
-            self._store(self.params_with(rounding), self.fmt, rounding)
-        stored = [p for p in self.lowprec_params if p in self._opened and self.state_format is None]
-        if self.state_format is not None:
-            self._store([v for p in self.lowprec_params for v in _elementwise_state(self.optimizer, p)],
-                        self.state_format, self.state_rounding, working=bool(self._opened))
-        elif stored:    # really stored: the state on the grid of the parameters' dtype, as torch keeps it
-            self._store([v for p in stored for v in _elementwise_state(self.optimizer, p)], self.fmt,
-                        self.state_rounding, working=True)
+        for rounding in ROUNDING_MODES:
+            if members := self._with(rounding, only):
+                self._store(members, self.fmt, rounding)
+        params = [p for p in self.lowprec_params if (p in only if only is not None else not storage.is_stored(p))]
+        state_format = self.state_format or (self.fmt if working else None)   # stored: as torch keeps it, on the grid
+        if state_format is not None:
+            self._store([v for p in params for v in _elementwise_state(self.optimizer, p)], state_format,
+                        self.state_rounding, working=working)
         self._close()
 
     def _kahan(self, params: list, buffers: list, adopt: bool = True, pack: bool = True) -> None:
@@ -321,7 +362,7 @@ their own dtype, as torch keeps it); ``round_initial``: round them now, for the 
                 p.grad = torch.zeros_like(p)
             for group in (group for group in self.optimizer.param_groups if "lr" in group):
                 group["lr"] = torch.zeros_like(group["lr"]) if torch.is_tensor(group["lr"]) else 0.0
-            self._open()
+            self._opened = storage.open_step(self._stored, self.optimizer.state)
             self.optimizer.step()   # the inner one: no rounding, no random bits
         finally:
             self._close()
@@ -348,6 +389,7 @@ their own dtype, as torch keeps it); ``round_initial``: round them now, for the 
         self.lowprec_params.extend(new)
         self._remedy.update({p: self._single for p in new})
         self._check_and_copy(new)
+        self._stored = [p for p in self.lowprec_params if storage.is_stored(p)]
         with torch.no_grad():
             self._store([p for p in new if not storage.is_stored(p)], self.fmt, "nearest")
 

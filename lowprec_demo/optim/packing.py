@@ -102,10 +102,6 @@ class Pack:
             self._homes = tuple(v.data_ptr() for v in self._flat_views)
         return self._flat
 
-    def release(self) -> None:
-        """Drop the buffer of :meth:`flat` (made again when next needed)."""
-        self._flat, self._flat_views, self._homes = None, [], None
-
     def at_home(self, tensors: Sequence[torch.Tensor]) -> bool:
         """Whether ``tensors`` (several) live in this pack's buffer."""
         return self._homes is not None and tuple(map(torch.Tensor.data_ptr, tensors)) == self._homes

@@ -1,0 +1,166 @@
+"""The practitioner's bf16 fine-tune (lowprec_demo.book.finetune) at tiny sizes, and the freeze watch on a model
+cast to bf16 in the Hugging Face Trainer and in Lightning's ``precision="bf16-true"``: it sees the weights freeze and
+names them, and its plan_after= makes and attaches a plan on the bf16 weights.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+
+import lowprec_demo as lp
+from lowprec_demo.book import finetune as ft
+
+TINY = dict(shape=dict(n_layer=1, n_head=2, n_embd=32, block_size=32), batch_size=8, pretrain_steps=400,
+            pretrain_lr=3e-3, steps=100, eval_batches=8)
+LIBRARIES = {"torchao_sr": "torchao", "optimi_kahan": "optimi"}
+
+
+@pytest.fixture
+def tiny(monkeypatch):
+    """The tiny sizes as the quick mode, on one thread, the data's fallback warning silenced."""
+    monkeypatch.setitem(ft.SETTINGS, True, TINY)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", lp.data.DataFallbackWarning)
+        yield
+    torch.set_num_threads(threads)
+
+
+def test_plain_bf16_leaves_a_gap_to_fp32(tiny):
+    # the same pretrained model, batches and schedule: fp32 learns from the fine-tune text, plain bf16 (torch's AdamW
+    # on bf16 weights, round to nearest) makes well under its improvement, whatever the seed
+    for seed in (0, 1):
+        fp32, bf16 = ft.finetune("fp32", seed, steps=60), ft.finetune("bf16", seed, steps=60)
+        start = fp32["start_loss"]
+        assert start - fp32["final_loss"] > 0.004, (start, fp32["final_loss"])
+        assert start - bf16["final_loss"] < 0.7 * (start - fp32["final_loss"]), (start, fp32["final_loss"],
+                                                                                 bf16["final_loss"])
+        assert bf16["bytes_per_parameter_held"] == pytest.approx(6.0, abs=0.01)      # 2-byte weights and moments
+        assert fp32["bytes_per_parameter_held"] == pytest.approx(12.0, abs=0.01)
+
+
+def test_a_run_is_deterministic_per_seed(tiny):
+    a, b = ft.finetune("bf16", 3, steps=5), ft.finetune("bf16", 3, steps=5)
+    assert a["losses"] == b["losses"] and a["final_loss"] == b["final_loss"]
+    assert ft.finetune("bf16", 4, steps=5)["losses"] != a["losses"]
+
+
+def test_the_watch_over_a_fine_tune_observes_the_bf16_weights(tiny):
+    w = ft.finetune("bf16", 0, steps=10, watch={"formats": ("bf16",)})["watch"]
+    assert w.mode == "observe" and len(w.record("bf16").overall) == 10
+    assert w.record("bf16").by_tensor["transformer.ln_f.weight"][-1] > 0.9     # gains at 1.0: frozen in bf16
+
+
+@pytest.mark.parametrize("variant", [v for v in ft.VARIANTS if v != "fp32"])
+def test_variants_keep_their_parameters_in_bfloat16(tiny, variant):
+    if variant in LIBRARIES:
+        pytest.importorskip(LIBRARIES[variant], reason=f"{LIBRARIES[variant]} is not installed: the {variant} variant "
+                                                         f"needs it (pip install torchao torch-optimi)")
+    result = ft.finetune(variant, 0, steps=10)
+    dtypes = {name: p.dtype for name, p in result["model"].named_parameters()}
+    assert set(dtypes.values()) == {torch.bfloat16}, dtypes
+    assert result["final_loss"] < result["start_loss"] + 0.05
+    assert result["bytes_per_parameter_held"] >= 6.0 - 1e-6      # the weights and Adam's two moments, 2 bytes each
+
+
+def _hf_run(tmp_path, callback, steps=12):
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed: pip install transformers")
+    config = transformers.GPT2Config(vocab_size=40, n_positions=16, n_embd=16, n_layer=1, n_head=2, bos_token_id=0,
+                                     eos_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).to(torch.bfloat16)      # no hub download
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 40, (64, 16))]
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=steps, per_device_train_batch_size=4,
+                                          learning_rate=1e-4, lr_scheduler_type="cosine", logging_steps=4, bf16=False,
+                                          report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True)
+    transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[callback]).train()
+    return model
+
+
+def _sees_bf16_freezing(w, model):
+    assert w.mode == "observe" and w.formats == ["bf16"]
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    record = w.record("bf16")
+    assert record.overall[-1] > 0.2, record.overall
+    since = {name: step for name, step in w.frozen_since().items() if name != "overall" and step is not None}
+    gains = [name for name in since if "ln" in name and name.endswith("weight")]
+    assert gains, since     # Adam's steps of about 1e-4 cannot move a LayerNorm gain at 1.0 in bf16 (half ulp 2^-8)
+    assert all(record.by_tensor[name][-1] > 0.9 for name in gains)
+
+
+def test_hugging_face_trainer_watch_sees_bf16_weights_freeze(tmp_path):
+    callback = lp.monitor.hf_callback(path=tmp_path / "watch.json")
+    model = _hf_run(tmp_path, callback)
+    _sees_bf16_freezing(callback.watch, model)
+    assert lp.load_watch(tmp_path / "watch.json").data["steps"][-1] == 11
+
+
+def test_hugging_face_trainer_plans_after_k_steps_on_bf16_weights(tmp_path):
+    callback = lp.monitor.hf_callback(path=tmp_path / "watch.json", plan_after=4)
+    model = _hf_run(tmp_path, callback)
+    plan = callback.plan
+    assert plan is not None and plan.format == "bf16" and plan.total_steps == 12
+    assert plan.bytes_per_parameter()["extra"] <= 1.0 + 1e-9
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    named = dict(model.named_parameters())
+    assert all(callback.plan_optimizer.remedy_of(named[n]) == r for n, r in plan.remedies.items())
+
+
+def _lightning():
+    try:
+        import lightning.pytorch as pl
+    except ImportError:
+        pl = pytest.importorskip("pytorch_lightning",
+                                 reason="Lightning is not installed: pip install pytorch-lightning")
+    return pl
+
+
+def _lightning_run(callback, steps=16):
+    pl = _lightning()
+    from lowprec_demo.book.models import GPT, gpt_config
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            config = gpt_config("nanogpt-quick", vocab_size=40, n_layer=1, n_head=2, n_embd=16, block_size=16)
+            self.net = GPT(config, generator=torch.Generator().manual_seed(0))
+
+        def training_step(self, batch, batch_idx):
+            (ids,) = batch
+            return self.net(ids[:, :-1], ids[:, 1:])[1]
+
+        def configure_optimizers(self):
+            opt = torch.optim.AdamW(self.parameters(), lr=1e-4)
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * s / steps)))
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(
+        torch.randint(0, 40, (128, 17), generator=torch.Generator().manual_seed(0))), batch_size=8)
+    module = Module()
+    pl.Trainer(precision="bf16-true", accelerator="cpu", max_steps=steps, logger=False, enable_checkpointing=False,
+               enable_progress_bar=False, enable_model_summary=False, callbacks=[callback]).fit(module, data)
+    return module
+
+
+def test_lightning_bf16_true_watch_sees_bf16_weights_freeze(tmp_path):
+    _lightning()
+    callback = lp.monitor.lightning_callback(path=tmp_path / "watch.json")
+    module = _lightning_run(callback)
+    _sees_bf16_freezing(callback.watch, module)
+
+
+def test_lightning_bf16_true_plans_after_k_steps(tmp_path):
+    _lightning()
+    callback = lp.monitor.lightning_callback(path=tmp_path / "watch.json", plan_after=6)
+    module = _lightning_run(callback)
+    plan = callback.plan
+    assert plan is not None and plan.format == "bf16" and plan.step == 5
+    assert plan.bytes_per_parameter()["extra"] <= 1.0 + 1e-9
+    assert all(p.dtype == torch.bfloat16 for p in module.parameters())
+    named = dict(module.named_parameters())
+    assert all(callback.plan_optimizer.remedy_of(named[n]) == r for n, r in plan.remedies.items())
