@@ -13,7 +13,9 @@ Targets, stated before measuring (not tuned toward):
 
 * ``lp_stochastic``'s step within 1.1 times ``torchao_sr``'s;
 * the plan's loss within the seed spread of the best remedy (its mean at most the best's worst seed), at no more than
-  1 byte per parameter held above plain bf16;
+  1 byte per parameter held above plain bf16 (``lp_plan``: made by the watch on the bf16 run after a tenth of it and
+  applied from there; ``lp_plan_restart``: the same plan applied from the start of a second run, the first a probe;
+  ``lp_plan_remainder``: that, the plan free to give the 16-bit remainder);
 * ``lp_remainder``'s final weights bit-equal to ``lp_master``'s, every seed.
 
 A variant that raises is reported with its message. ``--out PREFIX`` writes ``PREFIX.json`` and ``PREFIX.md``.
@@ -124,7 +126,7 @@ def _verdicts(rows, rounds, bit_equal) -> dict:
         ratio = statistics.median(ratios)
         out["sr_step_ratio"] = dict(measured=ratio, quartiles=statistics.quantiles(ratios, n=4)[::2],
                                     target=TARGETS["sr_step_ratio"], met=ratio <= TARGETS["sr_step_ratio"])
-    plans = [v for v in ("lp_plan", "lp_plan_restart") if v in by]
+    plans = [v for v in ("lp_plan", "lp_plan_restart", "lp_plan_remainder") if v in by]
     remedies = [v for v in by if v not in ("fp32", "bf16", "lp_nearest", *plans)]
     for name in plans if "bf16" in by and remedies else ():
         best = min(remedies, key=lambda v: by[v]["delta_mean"])
@@ -175,7 +177,7 @@ def markdown(result: dict) -> str:
         out.append(f"* lp_stochastic's step / torchao_sr's: {x['measured']:.3f} (quartiles of the per-round ratios "
                    f"{x['quartiles'][0]:.3f} to {x['quartiles'][1]:.3f}); target <= {x['target']}: "
                    f"{'met' if x['met'] else 'NOT met'}")
-    for name in (n for n in ("lp_plan", "lp_plan_restart") if n in v):
+    for name in (n for n in ("lp_plan", "lp_plan_restart", "lp_plan_remainder") if n in v):
         x = v[name]
         out.append(f"* {name}: loss - fp32 {x['plan_delta']:+.4f} against the best remedy ({x['best']}) "
                    f"{x['best_spread'][0]:+.4f} to {x['best_spread'][1]:+.4f}; {x['extra_bytes_held']:.2f} bytes/param "

@@ -26,6 +26,7 @@ import torch
 import lowprec_demo as lp
 from lowprec_demo.book.data.batches import TokenBatches
 from lowprec_demo.book.models import GPT, gpt_config
+from lowprec_demo.optim.plan import CLASSIC_REMEDIES, PLAN_REMEDIES
 
 __all__ = ["SETTINGS", "VARIANTS", "Variant", "FinetuneData", "pretrained", "finetune", "heldout_loss", "held_bytes"]
 
@@ -126,6 +127,7 @@ class Variant:
     build: Callable
     plan_at: Optional[float] = None
     restart: bool = False       # the plan applied from the start of a second run (the first one a probe)
+    remedies: tuple = CLASSIC_REMEDIES      # those the plan may give
 
 
 BF16 = torch.bfloat16
@@ -140,6 +142,7 @@ VARIANTS = {   # name -> Variant; lp_*: this package's LowPrecisionOptimizer on 
     "lp_feedback": Variant(BF16, _ours(compensation="feedback")),        # ECO: the error fed into Adam's moment
     "lp_plan": Variant(BF16, _adamw, plan_at=0.1),     # plain bf16, then the watch's plan (budget 1 byte/parameter)
     "lp_plan_restart": Variant(BF16, _adamw, plan_at=0.1, restart=True),   # that plan, from the start again
+    "lp_plan_remainder": Variant(BF16, _adamw, plan_at=0.1, restart=True, remedies=PLAN_REMEDIES),
 }
 
 _EVALUATORS: dict = {}   # a float32 GPT per config, for heldout_loss
@@ -174,19 +177,20 @@ def held_bytes(model: torch.nn.Module, *optimizers) -> float:
     return sum(storages.values()) / sum(p.numel() for p in model.parameters())
 
 
-def finetune(variant: str, seed: int = 0, lr: float = 5e-5, steps: Optional[int] = None, quick: bool = True,
+def finetune(variant, seed: int = 0, lr: float = 5e-5, steps: Optional[int] = None, quick: bool = True,
              watch: Optional[dict] = None, pretrain_seed: int = 0) -> dict:
-    """Fine-tune a copy of :func:`pretrained` stored as ``VARIANTS[variant]`` says, for ``steps`` (the mode's
-    default) with peak ``lr``: 5 % warmup, cosine to 0. ``watch``: options of :func:`lowprec_demo.watch` to watch the
+    """Fine-tune a copy of :func:`pretrained` stored as ``variant`` (a name of :data:`VARIANTS`, or a Variant) says,
+    for ``steps`` (the mode's default) with peak ``lr``: 5 % warmup, cosine to 0. ``watch``: options of :func:`lowprec_demo.watch` to watch the
     whole run (``result["watch"]``). Returns ``final_loss``, ``start_loss`` (the float32 model's), ``losses`` (per
     step), ``bytes_per_parameter_held`` (:func:`held_bytes`), ``bytes_per_parameter`` (the package's count),
     ``step_ms`` (median), ``model``, ``optimizer``, ``plan`` and ``step`` (one more step, for timing)."""
-    spec = VARIANTS[variant]
+    spec = VARIANTS[variant] if isinstance(variant, str) else variant
     state, config, data = pretrained(pretrain_seed, quick)
     steps = SETTINGS[quick]["steps"] if steps is None else steps
     probe = None
     if spec.restart:    # a probe run makes the plan; the fine-tune starts again from the pretrained weights with it
-        probe = finetune(variant.replace("_restart", ""), seed, lr, steps, quick, None, pretrain_seed)["plan"]
+        probe = finetune(Variant(BF16, _adamw, spec.plan_at, remedies=spec.remedies), seed, lr, steps, quick, None,
+                         pretrain_seed)["plan"]
         spec = Variant(BF16, lambda model, lr, seed: lp.LowPrecisionOptimizer(_adamw(model, lr, seed), "bf16",
                                                                               plan=probe, model=model, generator=seed))
     with torch.random.fork_rng(devices=[]):
@@ -213,7 +217,7 @@ def finetune(variant: str, seed: int = 0, lr: float = 5e-5, steps: Optional[int]
             losses.append(step(*batches.get_batch(i)))
             sched.step()
             if i + 1 == plan_at:     # the plan from the watched bf16 steps, applied through opt's step hooks
-                plan = planner.plan("bf16", budget=1.0)
+                plan = planner.plan("bf16", budget=1.0, remedies=spec.remedies)
                 attached = lp.attach_plan(opt, plan, model=model)
                 planner.detach()
         watcher is not None and watcher.detach()

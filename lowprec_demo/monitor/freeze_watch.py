@@ -48,7 +48,7 @@ from lowprec_demo.monitor.forecast import RatioHistograms, RatioTrend, check_sch
 from lowprec_demo.monitor.report import WatchReport, jsonable, report_data, save_report, watch_format
 from lowprec_demo.optim import sharding
 from lowprec_demo.optim.optimizer import LowPrecisionOptimizer
-from lowprec_demo.optim.plan import FreezePlan, make_plan
+from lowprec_demo.optim.plan import CLASSIC_REMEDIES, FreezePlan, make_plan
 
 __all__ = ["watch", "FreezeWatch"]
 
@@ -365,9 +365,9 @@ class FreezeWatch:
         return watch_forecast.forecast(self, fmt, threshold, total_steps)
 
     def plan(self, fmt=None, budget: float = 1.0, threshold: Optional[float] = None,
-             total_steps: Optional[int] = None, kahan_format="auto") -> FreezePlan:
+             total_steps: Optional[int] = None, kahan_format="auto", remedies=CLASSIC_REMEDIES) -> FreezePlan:
         """A remedy per tensor for ``LowPrecisionOptimizer(..., plan=)``: :func:`~lowprec_demo.optim.plan.make_plan`."""
-        return make_plan(self, fmt, budget, threshold, total_steps, kahan_format)
+        return make_plan(self, fmt, budget, threshold, total_steps, kahan_format, remedies)
 
     def groups(self) -> Dict[str, List[str]]:
         """Tensors by kind: ``"vectors"`` (1-d), ``"embeddings"`` (named emb, wte, wpe), ``"matrices"``."""

@@ -44,6 +44,7 @@ class AttachedPlan(LowPrecisionOptimizer):
     def _after(self, opt, args, kwargs) -> None:
         self.after_inner_step()
         self.show_grads(self._hidden)
+        self._hidden = {}
 
     def detach_plan(self) -> None:
         """Remove the hooks: the optimizer's steps store the parameters as it computes them."""
