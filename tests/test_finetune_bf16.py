@@ -94,6 +94,7 @@ def _sees_bf16_freezing(w, model):
 
 
 def test_hugging_face_trainer_watch_sees_bf16_weights_freeze(tmp_path):
+    pytest.importorskip("transformers", reason="transformers is not installed: pip install transformers")
     callback = lp.monitor.hf_callback(path=tmp_path / "watch.json")
     model = _hf_run(tmp_path, callback)
     _sees_bf16_freezing(callback.watch, model)
@@ -101,6 +102,7 @@ def test_hugging_face_trainer_watch_sees_bf16_weights_freeze(tmp_path):
 
 
 def test_hugging_face_trainer_plans_after_k_steps_on_bf16_weights(tmp_path):
+    pytest.importorskip("transformers", reason="transformers is not installed: pip install transformers")
     callback = lp.monitor.hf_callback(path=tmp_path / "watch.json", plan_after=4)
     model = _hf_run(tmp_path, callback)
     plan = callback.plan

@@ -235,6 +235,7 @@ def _gpt2_trainer(tmp_path, callback, dtype=torch.bfloat16, steps=6, **options):
 
 
 def test_hf_plan_after_plans_a_bf16_model(tmp_path):
+    pytest.importorskip("transformers", reason="transformers is not installed: pip install transformers")
     from lowprec_demo.monitor.integrations import hf_callback
     callback = hf_callback(plan_after=3)
     trainer = _gpt2_trainer(tmp_path, callback)
@@ -247,6 +248,7 @@ def test_hf_plan_after_plans_a_bf16_model(tmp_path):
 
 
 def test_hf_plan_after_on_a_bf16_model_refuses_a_format_it_is_not_stored_in(tmp_path):
+    pytest.importorskip("transformers", reason="transformers is not installed: pip install transformers")
     from lowprec_demo.monitor.integrations import hf_callback
     callback = hf_callback(plan_after=3, plan_format="fp16")
     trainer = _gpt2_trainer(tmp_path, callback)

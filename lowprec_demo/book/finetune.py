@@ -180,10 +180,11 @@ def held_bytes(model: torch.nn.Module, *optimizers) -> float:
 def finetune(variant, seed: int = 0, lr: float = 5e-5, steps: Optional[int] = None, quick: bool = True,
              watch: Optional[dict] = None, pretrain_seed: int = 0) -> dict:
     """Fine-tune a copy of :func:`pretrained` stored as ``variant`` (a name of :data:`VARIANTS`, or a Variant) says,
-    for ``steps`` (the mode's default) with peak ``lr``: 5 % warmup, cosine to 0. ``watch``: options of :func:`lowprec_demo.watch` to watch the
-    whole run (``result["watch"]``). Returns ``final_loss``, ``start_loss`` (the float32 model's), ``losses`` (per
-    step), ``bytes_per_parameter_held`` (:func:`held_bytes`), ``bytes_per_parameter`` (the package's count),
-    ``step_ms`` (median), ``model``, ``optimizer``, ``plan`` and ``step`` (one more step, for timing)."""
+    for ``steps`` (the mode's default) with peak ``lr``: 5 % warmup, cosine to 0. ``watch``: options of
+    :func:`lowprec_demo.watch` to watch the whole run (``result["watch"]``). Returns ``final_loss``, ``start_loss``
+    (the float32 model's), ``losses`` (per step), ``bytes_per_parameter_held`` (:func:`held_bytes`),
+    ``bytes_per_parameter`` (the package's count), ``step_ms`` (median), ``model``, ``optimizer``, ``plan`` and
+    ``step`` (one more step, for timing)."""
     spec = VARIANTS[variant] if isinstance(variant, str) else variant
     state, config, data = pretrained(pretrain_seed, quick)
     steps = SETTINGS[quick]["steps"] if steps is None else steps

@@ -33,6 +33,7 @@ class AttachedPlan(LowPrecisionOptimizer):
                  generator: GeneratorLike = None) -> None:
         super().__init__(optimizer, plan.format if isinstance(plan, FreezePlan) else "bf16", generator=generator,
                          plan=plan, model=model)
+        self._hidden: dict = {}      # during a step: the gradients step_stored hid
         self.hooks = [optimizer.register_step_pre_hook(self._before), optimizer.register_step_post_hook(self._after)]
 
     @torch.no_grad()

@@ -61,6 +61,11 @@ def _elementwise_state(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> lis
             if torch.is_tensor(v) and v.is_floating_point() and v.shape == p.shape]
 
 
+def _flat32(t: torch.Tensor, device: torch.device) -> bool:
+    """Whether ``t`` is contiguous float32 on ``device`` (Kahan's two packs take it)."""
+    return t.dtype == torch.float32 and t.is_contiguous() and t.device == device
+
+
 def _packable(t: torch.Tensor) -> bool:
     """Whether the fused kernels round ``t`` in place (in a pack)."""
     return t.dtype == torch.float32 and t.is_contiguous() and t.numel() <= kernels.MAX_NUMEL
@@ -74,8 +79,8 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
     (:mod:`lowprec_demo.optim`). ``generator``: a ``torch.Generator``, or an int seed for a new CPU
     generator (the same seed keeps data-parallel replicas bit-identical); ``rand_bits``: few-bit SR. ``params``: the
     parameters kept in low precision (:func:`select_params`), their optimizer state (Adam's moments) on the grid of
-    ``state_format`` with ``state_rounding`` (None: unrounded in float32, or for parameters really stored in bf16 or fp16
-their own dtype, as torch keeps it); ``round_initial``: round them now, for the first forward pass. ``plan``: a
+    ``state_format`` with ``state_rounding`` (None: unrounded in float32, or for parameters really stored in bf16 or
+    fp16 their own dtype, as torch keeps it); ``round_initial``: round them now, for the first forward pass. ``plan``: a
     :class:`~lowprec_demo.optim.plan.FreezePlan` giving each tensor it names its remedy (leave the remedy arguments and
     ``params`` at their defaults), found by name in ``model`` or, without it, by its recorded position and shape.
 
@@ -316,8 +321,7 @@ their own dtype, as torch keeps it); ``round_initial``: round them now, for the 
         """Kahan compensation: ``p + buf`` rounded is stored, the residual (exact) kept in the buffer,
         on its own grid if any: float32 tensors in two packs (where they live, with ``adopt``)."""
         kept = self.packs.pair is not None and self.packs.pair[0] == tuple(map(id, params))
-        if not pack or not kept and not all(t.dtype == torch.float32 and t.is_contiguous() and t.device == params[0].device
-                                for t in params + buffers):
+        if not pack or not kept and not all(_flat32(t, params[0].device) for t in params + buffers):
             targets = torch._foreach_add(params, buffers)     # what the weights should be, residual included
             stored = [quantize(t, self.fmt, overflow=self.overflow) for t in targets]
             residual = torch._foreach_sub(targets, stored)
@@ -461,6 +465,7 @@ their own dtype, as torch keeps it); ``round_initial``: round them now, for the 
     def __repr__(self) -> str:
         parts = [self.optimizer.__class__.__name__, f"fmt={self.fmt.name!r}", f"rounding={self.rounding!r}",
                  f"params={len(self.lowprec_params)} tensors",
+                 self._stored and f"stored={len(self._stored)} tensors in {self._stored[0].dtype}",
                  self.state_format and f"state_format={self.state_format.name!r}",
                  self.compensation and f"compensation={self.compensation!r}",
                  self.compensation_format and f"compensation_format={self.compensation_format.name!r}",

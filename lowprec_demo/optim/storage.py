@@ -15,7 +15,9 @@ fit: a master exactly halfway above an even stored weight (``+2^15``), about one
 kept one float32 ulp nearer the stored weight. *Error feedback* (:func:`feed_back`) carries the rounding error ``e``
 of the stored weight into the optimizer's first moment (ECO: Nikdan et al., 2026), for no byte more: adding ``delta``
 to Adam's ``m`` moves the weights of the following steps by ``-lr / (bc1 denom) * delta * b1 / (1 - b1)`` in all, so
-``delta = -e * denom * bc1 * (1 - b1) / (lr * b1)`` puts ``e`` back (SGD: ``-e * (1 - mu) / (lr * mu)``).
+``delta = -e * denom * bc1 * (1 - b1) / (lr * b1)`` puts ``e`` back (SGD: ``-e * (1 - mu) / (lr * mu)``). The moment
+must be able to hold what it carries: a moment stored in bf16 and rounded to nearest freezes too (keep the state in
+float32, or give ``state_rounding="stochastic"``).
 
 Example:
     >>> master = torch.tensor([1.0 + 2 ** -10, -3.0e-3])
