@@ -25,11 +25,11 @@ BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file
 sys.path.insert(0, BENCHMARKS)
 import bench, bench_report, machine, timing  # noqa: E402  (the benchmark's modules, in benchmarks/)
 from lowprec_demo.rounding import bits as bit_kernels, rule as freeze_rule, kernels
-from lowprec_demo.rounding.rule import LAYOUTS, RoundParams, round_params, seed_words
+from lowprec_demo.rounding.rule import BINS, FIRST_EDGE, LAYOUTS, RoundParams, round_params, seed_words
 from lowprec_demo.optim import packing
 from lowprec_demo.formats import get_format
 from lowprec_demo.optim.optimizer import LowPrecisionOptimizer
-from lowprec_demo.freeze.counts import count_freezes
+from lowprec_demo.freeze.counts import fewbit_count, fold_octaves, frozen_per_tensor, histograms, step_counts
 from lowprec_demo.freeze.prediction import RATIO_BINS, FreezeObserver, FreezePredictor
 from lowprec_demo.rounding.core import move_probability, quantize, random_bits, update_ulp_ratio, would_freeze
 
@@ -226,13 +226,10 @@ def test_eager_slices_give_the_same_bits(monkeypatch):
     fmt = get_format("e4m3")
     p = round_params(fmt, "saturate", None, 77).tensor()
     whole = bit_kernels.round_stochastic(x, p)
-    fp = torch.tensor(freeze_rule.rule_params(fmt, 2, RATIO_BINS), dtype=torch.int32)
-    code = torch.empty(len(x), dtype=torch.uint8)
-    moved = bit_kernels.freeze_code_fp32(x, new, fp, code)
-    n = len(x) // 2 * 2
-    paired = torch.empty(n, dtype=torch.uint8)
-    paired_moved = bit_kernels.freeze_code_fp32(x[:n], new[:n], fp, paired, bit_kernels.pair_pattern(n, x.device), fewbit=False,
-                                           **freeze_rule.gap_options(fmt))
+    fp = freeze_rule.rule_params(fmt, 2).tensor()
+    tensor_id = (torch.arange(len(x), dtype=torch.int32) * 3) // len(x)
+    log_lr, grad = torch.tensor([-3.0, -7.3, 0.0]), torch.where(torch.arange(len(x)) % 5 == 0, 0.0, 1.0)
+    code, moves = bit_kernels.step_code_fp32(x, new, grad, tensor_id, log_lr, fp)
     monkeypatch.setattr(kernels, "EAGER_CHUNK", 999)
     previous = kernels.set_mode("off")
     try:
@@ -240,14 +237,8 @@ def test_eager_slices_give_the_same_bits(monkeypatch):
         y = x.clone()
         kernels.stochastic(y, fmt, "saturate", None, 77, inplace=True)
         assert same_bits(y, whole)
-        code2 = torch.empty_like(code)
-        moved2 = kernels.freeze_code(x, new, fmt, RATIO_BINS, code2, rand_bits=2)
-        assert torch.equal(code2, code)
-        paired2 = torch.empty_like(paired)
-        paired_moved2 = kernels.freeze_code(x[:n], new[:n], fmt, RATIO_BINS, paired2, "paired")
-        assert torch.equal(paired2, paired)
-        assert torch.allclose(paired_moved2, paired_moved, rtol=1e-12, atol=0, equal_nan=True)
-        assert (moved.isnan() and moved2.isnan()) or math.isclose(moved.item(), moved2.item(), rel_tol=1e-12)
+        code2, moves2 = kernels.step_code(x, new, grad, tensor_id, log_lr, fmt, rand_bits=2)
+        assert torch.equal(code2, code) and same_bits(moves2, moves)
     finally:
         kernels.set_mode(previous)
 
@@ -270,20 +261,31 @@ def test_sr_random_bits_are_the_public_hash():
 # ------------------------------------------------------------------------------------------------
 # the freeze rule
 # ------------------------------------------------------------------------------------------------
-def exact_bins(ratio: torch.Tensor) -> torch.Tensor:
-    """bucketize(log2(ratio), edges -24..8) computed exactly: ceil(log2 r) + 24, clamped; ratio 0
-    in bin 0; NaN -> 63 (ignored)."""
+def exact_bins(ratio: torch.Tensor, edges=RATIO_BINS) -> torch.Tensor:
+    """bucketize(log2(ratio), edges) computed exactly: ceil(log2 r) - edges[0], clamped; ratio 0
+    in bin 0; NaN -> -1 (left out)."""
     r = ratio.double()
     mantissa, exponent = torch.frexp(r)          # r = mantissa * 2**exponent, mantissa in [0.5, 1)
     ceil_log2 = torch.where(mantissa == 0.5, exponent - 1, exponent).double()
-    bins = torch.where(r > 0, (ceil_log2 + 24).clamp(0, len(RATIO_BINS)), torch.zeros_like(r))
-    bins = torch.where(torch.isinf(r), float(len(RATIO_BINS)), bins)
-    return torch.where(r.isnan(), 63.0, bins).to(torch.int64)
+    bins = torch.where(r > 0, (ceil_log2 - edges[0]).clamp(0, len(edges)), torch.zeros_like(r))
+    bins = torch.where(torch.isinf(r), float(len(edges)), bins)
+    return torch.where(r.isnan(), -1.0, bins).to(torch.int64)
 
 
-def paired_options(fmt):
-    """The options of the freeze kernel for the format without the few-bit flag."""
-    return {"fewbit": False, **freeze_rule.gap_options(fmt)}
+def exact_eighths(ratio: torch.Tensor, log_lr: torch.Tensor) -> torch.Tensor:
+    """The bin of y = log2(ratio) - log_lr in eighths of an octave from FIRST_EDGE, in float64 (exact where it
+    matters here: log2 of a float32 is off by 1e-16 of it, and y falls on an edge only at powers of two)."""
+    r = ratio.double()
+    at = torch.ceil((torch.log2(r) - log_lr.double() - FIRST_EDGE) * 8).clamp(0, BINS - 1)
+    at = torch.where(r == 0, 0.0, at)
+    return torch.where(r.isnan(), float(BINS), at).to(torch.int64)
+
+
+def octave_of(at: torch.Tensor, edges=RATIO_BINS) -> torch.Tensor:
+    """The whole-octave bin of eighth-octave bins, as fold_octaves folds them (NaN's slot -> -1)."""
+    coarse = (FIRST_EDGE - torch.div(-at, 8, rounding_mode="floor") - edges[0]).clamp(0, len(edges))
+    coarse = torch.where(at == 0, 0, torch.where(at >= BINS - 1, len(edges), coarse))
+    return torch.where(at == BINS, -1, coarse)
 
 
 def split_pack(old, new, cut):
@@ -317,153 +319,98 @@ def freeze_cases(key):
 
 
 @pytest.mark.parametrize("key", list(TR.FREEZE_FORMATS))
-def test_freeze_code_is_the_freeze_rule(compiled, key):
+def test_step_code_is_the_freeze_rule(compiled, key):
+    """The one kernel of the predictor and the watch, compiled and eagerly: frozen is would_freeze, the move
+    probability move_probability with k random bits, the flag grad != 0 (0 without grad), the tensor its id; the bin
+    of log2(ratio) - log_lr within one eighth of an octave of the exact one (off in a few elements at most), and with
+    log_lr 0 in the exact whole octave, which is what the predictor keeps."""
     fmt = TR.FREEZE_FORMATS[key]
     old, new = freeze_cases(key)
     stored, update = quantize(old, fmt), new - old
-    frozen = would_freeze(stored, update, fmt)
+    frozen = would_freeze(stored, update, fmt).to(torch.int32)
     ratio = update_ulp_ratio(stored, update, fmt)
-    for k in (None, 1, 3, 8):
-        p = torch.tensor(freeze_rule.rule_params(fmt, k, RATIO_BINS), dtype=torch.int32)
-        code, eager_code = (torch.empty(len(old), dtype=torch.uint8) for _ in range(2))
-        eager_moved = bit_kernels.freeze_code_fp32(old, new, p, eager_code)
-        moved = compiled["freeze"](old, new, p, code)
-        assert torch.equal(code, eager_code)
-        tag = (torch.arange(len(old), dtype=torch.int32) % 3) << 8
-        tagged = torch.empty(len(old), dtype=torch.int32)
-        compiled["freeze"](old, new, p, tagged, tag)
-        assert torch.equal(tagged, code.to(torch.int32) | tag)
-        paired, eager_paired = torch.empty_like(code), torch.empty_like(code)
-        pattern = bit_kernels.pair_pattern(len(old), old.device)
-        paired_moved = compiled["freeze"](old, new, p, paired, pattern, **paired_options(fmt))
-        eager_paired_moved = bit_kernels.freeze_code_fp32(old, new, p, eager_paired, pattern, **paired_options(fmt))
-        assert torch.equal(paired, eager_paired)
-        for got, want in ((paired_moved, moved), (eager_paired_moved, eager_moved)):
-            assert torch.allclose(got, want, rtol=0, atol=0, equal_nan=True)
-        i = torch.arange(len(code))
-        frozen, bins = code & 1, code >> 2
-        assert torch.equal(paired[0::2], ((frozen[0::2] << 1) | ((i[0::2] >> 1) & 1) | (bins[0::2].long() << 2)).to(torch.uint8))
-        assert torch.equal(paired[1::2], frozen[1::2] | (bins[1::2] << 1))
-        hist_of = lambda b: torch.bincount(b, minlength=64)[:len(RATIO_BINS) + 1].tolist()   # (NaN: 63, left out)
-        n = len(code) // 2 * 2
-        one = packing.Pack([0], [old[:n]])   # one tensor, an even number of elements: two codes per entry
-        counts, = count_freezes([(one, old[:n], new[:n])], [fmt], RATIO_BINS)
-        assert counts.frozen == [frozen[:n].sum().item()] and counts.fewbit == 0
-        assert counts.ratio_hist == hist_of(bins[:n])
-        # the "bytes" layout of packs of several tensors: c << 1 | (i & 1), one bincount entry each
-        in_bytes = torch.empty_like(code)
-        compiled["freeze"](old, new, p, in_bytes, bit_kernels.pair_pattern(len(old), old.device, "bytes"), **paired_options(fmt))
-        assert torch.equal(in_bytes, ((frozen << 1) | (i & 1) | (bins.long() << 2)).to(torch.uint8))
-        cut = len(old) // 3
-        two, old2, new2 = split_pack(old, new, cut)   # the zeros in the gaps are counted out
-        counts, = count_freezes([(two, old2, new2)], [fmt], RATIO_BINS)
-        assert counts.frozen == [frozen[:cut].sum().item(), frozen[cut:].sum().item()]
-        assert counts.ratio_hist == hist_of(bins)
-        # the codes with the few-bit flag (with few-bit prediction, or one tensor of an odd number
-        # of elements): one tensor, or several tagged by tensor
-        odd = len(old) - 1 + len(old) % 2
-        flagged = (code >> 1) & 1
-        cases = [(packing.Pack([0], [old[:odd]]), old[:odd], new[:odd], [frozen[:odd].sum().item()], odd)]
-        if k is not None:
-            cases.append((two, old2, new2, [frozen[:cut].sum().item(), frozen[cut:].sum().item()], len(old)))
-        for pack, a, b, want, m in cases:
-            counts, = count_freezes([(pack, a, b)], [fmt], RATIO_BINS, rand_bits=k)
-            assert counts.frozen == want and counts.ratio_hist == hist_of(bins[:m])
-            assert counts.fewbit == flagged[:m].sum().item()
-        n = len(code) // kernels.BLOCK * kernels.BLOCK   # the frozen elements per block, as the packs count them
-        blocks = frozen[:n].view(-1, kernels.BLOCK).sum(1).float()
-        assert torch.equal(compiled["frozen_blocks"](in_bytes[:n]), blocks)
-        assert torch.equal(bit_kernels.frozen_blocks_u8(in_bytes[:n]), blocks)
-        assert torch.equal((code & 1).bool(), frozen)
-        if k is not None:
-            fewbit = torch.round(ratio.clamp(max=1.0) * 2.0**k) == 0
-            assert torch.equal(((code >> 1) & 1).bool(), fewbit)
-        assert torch.equal((code >> 2).to(torch.int64), exact_bins(ratio))
-        want = move_probability(stored, update, fmt, rand_bits=k).double().sum()
-        for got in (moved, eager_moved):
-            assert (got.isnan() and want.isnan()) or math.isclose(got.item(), want.item(), rel_tol=1e-9)
-
-
-@pytest.mark.parametrize("key", ["bf16", "fp16", "e4m3", "e5m2", "e2m0", "fp32"])
-def test_the_watch_code_is_the_freeze_rule(compiled, key):
-    """The watch's kernel, compiled and eagerly: frozen is would_freeze, the move probability
-    move_probability, the gradient flag grad != 0, the bin that of log2(ratio) - log2(lr) in
-    eighths of an octave from -64 (769 bins), the tensor its tag."""
-    fmt = TR.FREEZE_FORMATS[key]
-    old, new = freeze_cases(key)
-    n_tensors, bins = 5, 769
+    n_tensors = 5
     tensor_id = (torch.arange(len(old), dtype=torch.int32) * n_tensors) // len(old)
-    log_lr = torch.tensor([-3.0, -7.5, -10.25, 0.0, -60.0])
     grad = torch.where(torch.arange(len(old)) % 7 == 0, 0.0, 1.0)
-    p = torch.tensor(freeze_rule.rule_params(fmt, None, RATIO_BINS), dtype=torch.int32)
-    args = (old, new, grad, tensor_id, log_lr, p)
-    code, moves = compiled["watch_code"](*args, first_edge=-64.0, bins=bins, **freeze_rule.gap_options(fmt))
-    eager_code, eager_moves = bit_kernels.watch_code_fp32(*args, first_edge=-64.0, bins=bins, **freeze_rule.gap_options(fmt))
-    assert torch.equal(code, eager_code) and same_bits(moves, eager_moves)
-    stored, update = quantize(old, fmt), new - old
-    assert torch.equal((code >> 1) & 1, would_freeze(stored, update, fmt).to(torch.int32))
-    assert same_bits(moves, move_probability(stored, update, fmt))
-    assert torch.equal(code & 1, (grad != 0).to(torch.int32))
-    assert torch.equal((code >> 2) // bins, tensor_id)
-    y = torch.log2(update_ulp_ratio(stored, update, fmt).float()) - log_lr[tensor_id]
-    want = torch.ceil((y + 64.0) * 8).nan_to_num(nan=bins - 1).clamp(0, bins - 1).to(torch.int32)
-    assert torch.equal((eager_code >> 2) % bins, want)
+    zero = torch.zeros(())
+    for k in (None, 1, 3, 8):
+        p = freeze_rule.rule_params(fmt, k).tensor()
+        for log_lr, g in ((zero, None), (torch.tensor([-3.0, -7.5, -10.25, 0.0, -60.0]), grad),
+                          (torch.tensor(-13.29), grad)):
+            args = (old, new, g, tensor_id, log_lr, p)
+            code, moves = compiled["step_code"](*args)
+            eager_code, eager_moves = bit_kernels.step_code_fp32(*args)
+            assert torch.equal(code, eager_code) and same_bits(moves, eager_moves)
+            assert torch.equal((code >> 1) & 1, frozen)
+            assert same_bits(moves, move_probability(stored, update, fmt, rand_bits=k))
+            assert torch.equal(code & 1, torch.zeros_like(code) if g is None else (grad != 0).to(torch.int32))
+            assert torch.equal((code >> 2) // (BINS + 1), tensor_id)
+            at = (code >> 2) % (BINS + 1)
+            want = exact_eighths(ratio, log_lr if log_lr.dim() == 0 else log_lr[tensor_id])
+            off = (at - want).abs()
+            assert off.max() <= 1 and (off > 0).sum() <= max(2, len(old) // 1000), (k, log_lr)
+            if log_lr.dim() == 0 and log_lr.item() == 0:
+                assert torch.equal(octave_of(at), exact_bins(ratio))
 
 
 @pytest.mark.parametrize("key", ["e4m3", "e5m2", "fp16", "e3m2", "e2m0"])
-def test_freeze_code_under_every_overflow_policy(compiled, key):
-    """Weights stored as the max, inf or NaN after an overflow: the freeze codes and move sums
-    follow would_freeze, update_ulp_ratio and move_probability under each policy the format allows (a NaN
-    weight never freezes)."""
+def test_step_code_under_every_overflow_policy(compiled, key):
+    """Weights stored as the max, inf or NaN after an overflow: the frozen flags, move probabilities and octaves
+    follow would_freeze, move_probability and update_ulp_ratio under each policy the format allows (a NaN weight
+    never freezes)."""
     old, new = freeze_cases(key)
     big = torch.tensor([1e30, -1e30, 7e4, -7e4, 500.0, 480.0, 464.0, 65520.0, 3.0e38], dtype=torch.float32)
     old = torch.cat([old, big, big])
     new = torch.cat([new, big * 1.5, big * 0.5])
+    zero = torch.zeros(())
     for policy in TR.policies(TR.FREEZE_FORMATS[key]):
         fmt = TR.FREEZE_FORMATS[key].with_overflow(policy)
         stored, update = quantize(old, fmt), new - old
         frozen, ratio = would_freeze(stored, update, fmt), update_ulp_ratio(stored, update, fmt)
-        p = torch.tensor(freeze_rule.rule_params(fmt, None, RATIO_BINS), dtype=torch.int32)
-        code, eager_code = (torch.empty(len(old), dtype=torch.uint8) for _ in range(2))
-        moved = compiled["freeze"](old, new, p, code)
-        bit_kernels.freeze_code_fp32(old, new, p, eager_code)
-        paired = torch.empty_like(code)
-        compiled["freeze"](old, new, p, paired, bit_kernels.pair_pattern(len(old), old.device), **paired_options(fmt))
-        assert torch.equal(code, eager_code), policy
-        assert torch.equal((code & 1).bool(), frozen), policy
-        assert torch.equal((code >> 2).to(torch.int64), exact_bins(ratio)), policy
-        assert torch.equal(paired[1::2] & 1, code[1::2] & 1) and torch.equal(paired[1::2] >> 1, code[1::2] >> 2)
-        want = move_probability(stored, update, fmt).double().sum()
-        assert (moved.isnan() and want.isnan()) or math.isclose(moved.item(), want.item(), rel_tol=1e-9)
+        p = freeze_rule.rule_params(fmt).tensor()
+        args = (old, new, None, zero.to(torch.int32), zero, p)
+        code, moves = compiled["step_code"](*args)
+        eager_code, eager_moves = bit_kernels.step_code_fp32(*args)
+        assert torch.equal(code, eager_code) and same_bits(moves, eager_moves), policy
+        assert torch.equal(((code >> 1) & 1).bool(), frozen), policy
+        assert torch.equal(octave_of(code >> 2), exact_bins(ratio)), policy
+        assert same_bits(moves, move_probability(stored, update, fmt)), policy
 
 
 @pytest.mark.parametrize("mode", ["off", "on"])
-@pytest.mark.parametrize("edges", [RATIO_BINS, list(range(-10, 3)), list(range(-60, 2))])
+@pytest.mark.parametrize("edges", [RATIO_BINS, list(range(-10, 3)), list(range(-60, 2)), list(range(-64, 33))])
 def test_the_ratio_bins_are_those_of_their_edges(edges, mode):
-    """The histogram of count_freezes is bucketize(log2 ratio, edges) for any consecutive
-    integer edges that fit the code (RATIO_BINS among them), in every layout; other edges are
+    """The count of a step (step_counts: one tensor, or a pack of two with gaps between them) folded into whole
+    octaves is bucketize(log2 ratio, edges) for any consecutive integer edges within the bins' range; the frozen
+    elements per tensor and the few-bit count (ratios up to 2**-(k+1)) are those of the rule; other edges are
     refused."""
     old, new = freeze_cases("e4m3")
-    n = len(old) // 2 * 2
-    old, new = old[:n], new[:n]
     fmt = TR.FREEZE_FORMATS["e4m3"]
-    r = update_ulp_ratio(quantize(old, fmt), new - old, fmt).double()
-    mantissa, exponent = torch.frexp(r)          # the exact ceil(log2 r), as exact_bins computes it
-    ceil_log2 = torch.where(mantissa == 0.5, exponent - 1, exponent).double()
-    bins = torch.where(r > 0, (ceil_log2 - edges[0]).clamp(0, len(edges)), torch.zeros_like(r))
-    bins = torch.where(torch.isinf(r), float(len(edges)), bins)[~r.isnan()].to(torch.int64)
-    want = torch.bincount(bins, minlength=len(edges) + 1).tolist()
-    one, several = (packing.Pack([0], [old]), old, new), split_pack(old, new, 100)
+    stored, update = quantize(old, fmt), new - old
+    r = update_ulp_ratio(stored, update, fmt)
+    frozen = would_freeze(stored, update, fmt)
+    bins = exact_bins(r, edges)
+    want = torch.bincount(bins[bins >= 0], minlength=len(edges) + 1).tolist()
+    cut = len(old) // 3
+    two, old2, new2 = split_pack(old, new, cut)
+    zero = torch.zeros(())
     previous = kernels.set_mode(mode)
     try:
-        for pair, k in ((one, None), (one, 3), (several, None), (several, 3)):   # paired, codes, bytes, tagged
-            counts, = count_freezes([pair], [fmt], edges, k)
-            assert counts.ratio_hist == want, (edges[0], k)
+        for k in (None, 3):
+            one = step_counts(old, new, fmt, zero.to(torch.int32), 1, zero, rand_bits=k)[0]
+            several = step_counts(old2, new2, fmt, two.tensor_ids(), 3, zero, rand_bits=k)[0][:2]
+            for counts, frozen_want in ((one, [frozen.sum().item()]),
+                                        (several, [frozen[:cut].sum().item(), frozen[cut:].sum().item()])):
+                hist = histograms(counts, nan="drop").sum(0).tolist()
+                assert fold_octaves(hist, edges) == want, (edges[0], k)
+                assert frozen_per_tensor(counts).tolist() == frozen_want
+                if k is not None:
+                    assert fewbit_count(hist, k) == (r <= 2.0 ** -(k + 1)).sum().item()
     finally:
         kernels.set_mode(previous)
     for bad in ([0, 2, 3], [], list(range(-70, 1)), [125, 126, 127]):
         with pytest.raises(ValueError):
-            freeze_rule.ratio_bin_params(bad)
+            fold_octaves([0] * BINS, bad)
 
 
 def test_equal_count_is_torch_eq(compiled):
@@ -881,21 +828,14 @@ def test_cuda_compiled_kernels_match_the_cpu(key):
             for k in (None, 3):
                 cpu = bit_kernels.round_stochastic(x, round_params(fmt, policy, k, 99).tensor())
                 assert same_bits(kernels.stochastic(x.cuda(), fmt, policy, k, 99).cpu(), cpu)
-        old, new = x[:20_000].nan_to_num(0.0, 0.0, 0.0), x[:20_000] * (1 + 2.0**-9)
-        code = torch.empty(len(old), dtype=torch.uint8, device="cuda")
-        moved = kernels.freeze_code(old.cuda(), new.cuda().nan_to_num(0.0, 0.0, 0.0), fmt, RATIO_BINS, code, rand_bits=3)
-        p = torch.tensor(freeze_rule.rule_params(fmt, 3, RATIO_BINS), dtype=torch.int32)
-        want_code = torch.empty(len(old), dtype=torch.uint8)
-        want_moved = bit_kernels.freeze_code_fp32(old, new.nan_to_num(0.0, 0.0, 0.0), p, want_code)
-        assert torch.equal(code.cpu(), want_code)
-        assert math.isclose(moved.item(), want_moved.item(), rel_tol=1e-9)
-        paired = torch.empty(len(old), dtype=torch.uint8, device="cuda")
-        moved = kernels.freeze_code(old.cuda(), new.cuda().nan_to_num(0.0, 0.0, 0.0), fmt, RATIO_BINS, paired, "paired")
-        want = torch.empty(len(old), dtype=torch.uint8)
-        p = torch.tensor(freeze_rule.rule_params(fmt, None, RATIO_BINS), dtype=torch.int32)
-        want_moved = bit_kernels.freeze_code_fp32(old, new.nan_to_num(0.0, 0.0, 0.0), p, want,
-                                             bit_kernels.pair_pattern(len(old), "cpu"), **paired_options(fmt))
-        assert torch.equal(paired.cpu(), want)
-        assert math.isclose(moved.item(), want_moved.item(), rel_tol=1e-9)
+        old, new = x[:20_000].nan_to_num(0.0, 0.0, 0.0), (x[:20_000] * (1 + 2.0**-9)).nan_to_num(0.0, 0.0, 0.0)
+        tensor_id = (torch.arange(len(old), dtype=torch.int32) * 3) // len(old)
+        log_lr, grad = torch.tensor([0.0, -7.3, -12.0]), torch.where(torch.arange(len(old)) % 5 == 0, 0.0, 1.0)
+        code, moves = kernels.step_code(old.cuda(), new.cuda(), grad.cuda(), tensor_id.cuda(), log_lr.cuda(), fmt, 3)
+        p = freeze_rule.rule_params(fmt, 3).tensor()
+        want_code, want_moves = bit_kernels.step_code_fp32(old, new, grad, tensor_id, log_lr, p)
+        assert torch.equal(code.cpu() & 3, want_code & 3) and same_bits(moves.cpu(), want_moves)
+        at, want_at = (code.cpu() >> 2) % (BINS + 1), (want_code >> 2) % (BINS + 1)
+        assert (at - want_at).abs().max() <= 1 and torch.equal(octave_of(at[tensor_id == 0]), octave_of(want_at[tensor_id == 0]))
     finally:
         kernels.set_mode(previous)

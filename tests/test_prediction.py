@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import lowprec_demo as lp
-from lowprec_demo.freeze.prediction import FreezeObserver, FreezePredictor, freeze_order, freeze_step, steps_agree
+from lowprec_demo.freeze.prediction import (RATIO_BINS, FreezeObserver, FreezePredictor, freeze_order, freeze_step,
+                                          steps_agree)
 
 
 def brute_force_frozen(old: torch.Tensor, new: torch.Tensor, fmt: str) -> float:
@@ -151,3 +152,35 @@ def test_froze_as_predicted_needs_a_freeze():
     never = lp.run_experiment("quadratic", fmt="bf16", steps=5, dim=4, variants=("reference", "nearest"),
                               progress=False)
     assert never.freeze_steps_agree() and not never.froze_as_predicted()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_the_predictors_octaves_are_exact_just_above_a_power_of_two(dtype):
+    """Updates of 2**j gaps and of just over 2**j gaps (where a float32 log2 rounds down onto j, or a float64 ratio
+    rounded to the nearest float32 lands on 2**j): the ratio histogram puts them in the octave ceil(log2 ratio), on
+    the float64 path (tensor by tensor) and the float32 one (the kernel), and the few-bit share counts the ratios up
+    to 2**-(k+1)."""
+    j = torch.arange(-16, 7, dtype=torch.float64)
+    w = torch.full((len(j),), 2.0**10, dtype=torch.float64)    # a bf16 gap of 2**3
+    d = 2.0**(j + 3)
+    if dtype == torch.float64:     # 2**j (1 + 2**-30) gaps: finer than float32 resolves
+        w, d = torch.cat([w, w[1:]]), torch.cat([d, d[1:] * (1 + 2.0**-30)])
+    else:   # -2**10 moved up by 2**10 + 2**-13: 2**8 (1 + 2**-23) gaps of 4 (inward from a power of two)
+        w, d = torch.cat([w, torch.tensor([-(2.0**10)])]), torch.cat([d, torch.tensor([2.0**10 + 2.0**-13])])
+    param = torch.nn.Parameter(w.to(dtype, copy=True))
+    predictor = FreezePredictor({"w": param}, ["bf16"], rand_bits=4)
+    predictor.before_step()
+    with torch.no_grad():
+        param.add_(d.to(dtype))
+    predictor.after_step()
+    assert torch.equal(param.detach().double() - w, d)          # the updates are exactly these
+    ratio = lp.update_ulp_ratio(w, d, "bf16")                    # exact: a division by a power of two
+    mantissa, exponent = torch.frexp(ratio)
+    octave = torch.where(mantissa == 0.5, exponent - 1, exponent)
+    edge = ratio > 2.0 ** (octave - 1).double()     # not powers of two...
+    rounded = ratio.float() if dtype == torch.float64 else torch.exp2(torch.log2(ratio.float()))
+    assert (edge & (rounded.double() == 2.0 ** (octave - 1).double())).any()   # ...that a float32 step rounds onto one
+    want = torch.bincount((octave - RATIO_BINS[0]).clamp(0, len(RATIO_BINS)), minlength=len(RATIO_BINS) + 1)
+    rec = predictor.record("bf16")
+    assert rec.ratio_histogram == want.tolist()
+    assert rec.fewbit_frozen == [(ratio <= 2.0**-5).double().mean().item()]

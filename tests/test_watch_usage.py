@@ -293,8 +293,8 @@ def test_hf_values_reach_log_history_and_tensorboard(tmp_path):
 # ---- compiling up front -----------------------------------------------------------------------
 
 def test_auto_mode_compiles_the_watch_kernel_at_the_first_step_when_the_run_would(monkeypatch, capsys):
-    old = kernels._KERNELS["watch_code"]
-    monkeypatch.setitem(kernels._KERNELS, "watch_code", kernels._Kernel(old.fn, "watch_code"))
+    old = kernels._KERNELS["step_code"]
+    monkeypatch.setitem(kernels._KERNELS, "step_code", kernels._Kernel(old.fn, "step_code"))
     previous = kernels.set_mode("auto")
     try:
         monkeypatch.setattr(kernels, "EAGER_BUDGET", 5000)
@@ -305,20 +305,20 @@ def test_auto_mode_compiles_the_watch_kernel_at_the_first_step_when_the_run_woul
         short = lp.watch(model, opt, total_steps=2)
         train(model, opt, 1)
         assert "compiling" not in capsys.readouterr().err
-        assert kernels.status()["kernels"]["watch_code"]["calls"]["compiled"] == 0 and n * 2 < 5000
+        assert kernels.status()["kernels"]["step_code"]["calls"]["compiled"] == 0 and n * 2 < 5000
         short.detach()
         # a run whose watched elements would pass it part way: compiled at the first step, said once
         w = lp.watch(model, opt, total_steps=100)
         train(model, opt, 1)
         err = capsys.readouterr().err
         assert err.count("freeze watch: compiling its kernel now") == 1 and "100 watched steps" in err
-        state = kernels.status()["kernels"]["watch_code"]
+        state = kernels.status()["kernels"]["step_code"]
         assert "cpu" in state["compiled"] or "cpu" in state["failed"], state     # compiled (or no compiler here)
         eager = state["calls"]["eager"]
         train(model, opt, 3)
         assert "compiling" not in capsys.readouterr().err
         if "cpu" in state["compiled"]:
-            assert kernels.status()["kernels"]["watch_code"]["calls"]["eager"] == eager   # no mid-run compile
+            assert kernels.status()["kernels"]["step_code"]["calls"]["eager"] == eager   # no mid-run compile
         assert w.steps == [0, 1, 2, 3]
     finally:
         kernels.set_mode(previous)

@@ -26,11 +26,12 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Union
 import torch
 
 from lowprec_demo.formats import FloatFormat, get_format
-from lowprec_demo.freeze.counts import count_freezes
+from lowprec_demo.freeze.counts import fewbit_count, fold_octaves, frozen_per_tensor, histograms, step_counts
 from lowprec_demo.freeze.records import RATIO_BINS, FreezeRecord, freeze_order, freeze_step, steps_agree
 from lowprec_demo.optim.packing import Pack, copy_into, packs
 from lowprec_demo.rounding import kernels
-from lowprec_demo.rounding.core import move_probability, quantize, update_ulp_ratio, would_freeze
+from lowprec_demo.rounding.rule import BINS
+from lowprec_demo.rounding.core import quantize, update_ulp_ratio, would_freeze
 
 __all__ = ["FreezeRecord", "StepTracker", "FreezePredictor", "FreezeObserver", "freeze_step", "freeze_order",
            "steps_agree", "named_tensors", "RATIO_BINS"]
@@ -300,43 +301,57 @@ class FreezePredictor(StepTracker):
             raise KeyError(f"no first step recorded for {name}; predicted: {', '.join(f.name for f in self.formats)}")
         return values[name]
 
-    def _add(self, rec: FreezeRecord, per_tensor: List[tuple], moved: float, fewbit: float, hist: List[int]) -> None:
+    def _after_step_packed(self, packed) -> None:
+        """Every format by :func:`~lowprec_demo.freeze.counts.step_counts` per pack, one transfer."""
+        device = packed[0][2].device if packed else torch.device("cpu")
+        zero_id, zero_lr = torch.zeros((), dtype=torch.int32, device=device), torch.zeros((), device=device)
+        names = [name for _, pack_names, _, _ in packed for name in pack_names]
+        sizes = [n for pack, _, _, _ in packed for n in pack.sizes]
+        parts = []
+        for fmt in self.formats:
+            hist = torch.zeros(BINS, dtype=torch.int64, device=device)
+            moved = torch.zeros((), dtype=torch.float64, device=device)
+            for pack, _, old, now in packed:
+                k = len(pack.sizes)   # (a pack's gaps: one more tensor index, left out)
+                ids, n = (pack.tensor_ids(), k + 1) if pack.several else (zero_id, 1)
+                counts, moves = step_counts(old, pack.flat(now), fmt, ids, n, zero_lr, rand_bits=self.rand_bits)
+                parts.append(frozen_per_tensor(counts[:k]).double())
+                hist = hist + histograms(counts[:k], nan="drop").sum(0)
+                moved = moved + moves.sum(dtype=torch.float64)
+            parts += [hist.double(), moved.reshape(1)]
+        values = torch.cat(parts).tolist()
+        at = 0
+        for fmt in self.formats:
+            frozen = [int(v) for v in values[at:at + len(names)]]
+            hist = [int(v) for v in values[at + len(names):at + len(names) + BINS]]
+            moved = values[at + len(names) + BINS]
+            at += len(names) + BINS + 1
+            self._add_counts(fmt, list(zip(names, frozen, sizes)), moved, hist)
+
+    def _after_step_by_tensor(self) -> None:
+        """Tensor by tensor (where the kernel does not fit: float64 tensors, formats beyond float32): the same count."""
+        pairs = list(self._pairs())
+        for fmt in self.formats:
+            per_tensor, moved, hist = [], 0.0, [0] * BINS
+            for name, old, new in pairs:
+                zero = torch.zeros((), device=old.device)
+                counts, moves = step_counts(old.reshape(-1), new.reshape(-1), fmt, zero.to(torch.int32), 1, zero.float(),
+                                            rand_bits=self.rand_bits)
+                per_tensor.append((name, int(frozen_per_tensor(counts).item()), old.numel()))
+                moved += moves.sum(dtype=torch.float64).item()
+                hist = [a + b for a, b in zip(hist, histograms(counts, nan="drop").sum(0).tolist())]
+            self._add_counts(fmt, per_tensor, moved, hist)
+
+    def _add_counts(self, fmt: FloatFormat, per_tensor: List[tuple], moved: float, hist: List[int]) -> None:
+        """One step of ``fmt``'s record from the frozen elements per tensor, the move sum and the eighth-octave
+        histogram: folded into whole octaves (:data:`RATIO_BINS`), and the few-bit share from it."""
+        rec = self.records[fmt.name]
         count = rec.add_step(per_tensor)
         rec.move_fraction.append(moved / count if count else math.nan)
         if self.rand_bits is not None:
+            fewbit = fewbit_count(hist, self.rand_bits)
             rec.fewbit_frozen.append(fewbit / count if count else math.nan)
-        rec.ratio_histogram = [a + b for a, b in zip(rec.ratio_histogram, hist)]
-
-    def _after_step_packed(self, packed) -> None:
-        """All formats by :func:`~lowprec_demo.freeze.counts.count_freezes`."""
-        pairs = [(pack, old, pack.flat(now)) for pack, _, old, now in packed]
-        counted = count_freezes(pairs, self.formats, RATIO_BINS, self.rand_bits)
-        names = [name for _, pack_names, _, _ in packed for name in pack_names]
-        sizes = [n for pack, _, _, _ in packed for n in pack.sizes]
-        for fmt, counts in zip(self.formats, counted):
-            self._add(self.records[fmt.name], list(zip(names, counts.frozen, sizes)), counts.moved, counts.fewbit,
-                      counts.ratio_hist)
-
-    def _after_step_by_tensor(self) -> None:
-        """Tensor by tensor with the public functions (where the kernels do not fit)."""
-        pairs = list(self._pairs())
-        edges = torch.tensor(RATIO_BINS, dtype=torch.float32)
-        for fmt in self.formats:
-            moved_total = fewbit_total = 0.0
-            per_tensor = []
-            hist = torch.zeros(len(RATIO_BINS) + 1, dtype=torch.int64)
-            for name, old, new in pairs:
-                stored = quantize(old, fmt)
-                update = new - old
-                ratio = update_ulp_ratio(stored, update, fmt)
-                if self.rand_bits is not None:  # the position in the gap resolved to k bits rounds to 0
-                    fewbit_total += (torch.round(ratio.clamp(max=1.0) * 2.0**self.rand_bits) == 0).sum().item()
-                per_tensor.append((name, would_freeze(stored, update, fmt).sum().item(), old.numel()))
-                moved_total += move_probability(stored, update, fmt, rand_bits=self.rand_bits).sum().item()
-                hist += torch.bucketize(torch.log2(ratio[ratio > 0].float().cpu()), edges).bincount(
-                    minlength=len(RATIO_BINS) + 1)
-                hist[0] += int((ratio == 0).sum().item())
-            self._add(self.records[fmt.name], per_tensor, moved_total, fewbit_total, hist.tolist())
+        rec.ratio_histogram = [a + b for a, b in zip(rec.ratio_histogram, fold_octaves(hist, RATIO_BINS))]
 
 
 def _share_below_half(values: torch.Tensor, scale: Sequence[float]) -> List[float]:

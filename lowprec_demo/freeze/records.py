@@ -13,12 +13,11 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Dict, Iterable, List, Optional, Sequence
 
-from lowprec_demo.rounding.rule import RATIO_EDGES
-
 __all__ = ["FreezeRecord", "freeze_step", "freeze_order", "steps_agree", "RATIO_BINS"]
 
-# log2(|d| / gap) histogram bins: edges -24, -23, ..., +8 (values outside go to the end bins).
-RATIO_BINS = list(RATIO_EDGES)
+# the predictor's histogram of log2(|d| / gap): whole octaves, edges -24, -23, ..., +8 (values outside go to the end
+# bins), folded from the one binning's eighths (:func:`lowprec_demo.freeze.counts.fold_octaves`)
+RATIO_BINS = list(range(-24, 9))
 
 
 def freeze_step(fractions: Sequence[float], threshold: float) -> Optional[int]:

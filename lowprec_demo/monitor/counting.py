@@ -10,11 +10,9 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from lowprec_demo.formats import FloatFormat
+from lowprec_demo.freeze.counts import histograms, step_counts
 from lowprec_demo.freeze.records import FreezeRecord
-from lowprec_demo.monitor.forecast import EDGES
 from lowprec_demo.rounding import kernels
-from lowprec_demo.rounding.core import move_probability, update_ulp_ratio, would_freeze
-from lowprec_demo.rounding.rule import watch_code
 
 __all__ = ["observed_counts", "predicted_counts", "state_counters", "add_point", "compile_up_front", "UNKNOWN_RUN"]
 
@@ -32,26 +30,14 @@ def observed_counts(plan, old: torch.Tensor, new: torch.Tensor, grad: torch.Tens
 def predicted_counts(plan, old: torch.Tensor, new: torch.Tensor, grad: torch.Tensor, formats: Sequence[FloatFormat],
                      log_lr: torch.Tensor, compile_now: bool = False) -> List[torch.Tensor]:
     """Per format, by the rule at ``q(old)``: the histogram ``(tensors, bins)`` of
-    ``log2(|d| / (lr gap))`` over :data:`~lowprec_demo.monitor.forecast.EDGES`, the elements per
-    (frozen, gradient) pair ``(tensors, 2, 2)``, and the move probabilities' sum; one bincount of
-    :func:`lowprec_demo.rounding.rule.watch_code`'s codes (the kernel where it fits) gives all."""
-    n_tensors, bins = len(plan.counts), len(EDGES) + 1
+    ``log2(|d| / (lr gap))`` over :data:`~lowprec_demo.freeze.counts.EDGES` (NaN in the last bin), the elements per
+    (frozen, gradient) pair ``(tensors, 2, 2)``, and the move probabilities' sum: the predictor's count
+    (:func:`lowprec_demo.freeze.counts.step_counts`) per tensor of the plan."""
     local = []
     for fmt in formats:
-        if kernels.fits(old, fmt):
-            previous = kernels.set_mode("on") if compile_now else None
-            try:
-                code, moves = kernels.watch_code(old, new, grad, plan.tensor_id, log_lr, fmt, float(EDGES[0]), bins)
-            finally:
-                if previous is not None:
-                    kernels.set_mode(previous)
-        else:   # the same rule through the public functions
-            update = new - old
-            code = watch_code(would_freeze(old, update, fmt), update_ulp_ratio(old, update, fmt).float(), grad,
-                              plan.tensor_id, log_lr, float(EDGES[0]), bins)
-            moves = move_probability(old, update, fmt)
-        counts = torch.bincount(code, minlength=n_tensors * bins * 4).view(n_tensors, bins, 2, 2)
-        local += [counts.sum((2, 3)), counts.sum(1), plan.per_tensor(moves)]
+        counts, moves = step_counts(old, new, fmt, plan.tensor_id, len(plan.counts), log_lr, grad,
+                                    compile_now=compile_now)
+        local += [histograms(counts), counts.sum(1), plan.per_tensor(moves)]
     return local
 
 
@@ -64,7 +50,7 @@ def compile_up_front(old: torch.Tensor, formats: Sequence[FloatFormat], steps_le
     left = UNKNOWN_RUN if steps_left is None else steps_left
     if old.numel() * left <= kernels.EAGER_BUDGET:
         return False
-    if old.device.type not in kernels.status()["kernels"]["watch_code"]["compiled"]:
+    if old.device.type not in kernels.status()["kernels"]["step_code"]["compiled"]:
         print(f"freeze watch: compiling its kernel now, once per process (seconds): {left:,} watched steps of "
               f"{old.numel():,} elements would compile it part way through the run", file=sys.stderr, flush=True)
     return True

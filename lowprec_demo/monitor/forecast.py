@@ -20,6 +20,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from lowprec_demo.freeze import counts
 from lowprec_demo.freeze.records import FreezeRecord, freeze_step
 
 __all__ = ["EDGES", "MEMORY", "RECENT", "TREND_POINTS", "BAND_SLOPE", "RatioTrend", "RatioHistograms",
@@ -27,8 +28,8 @@ __all__ = ["EDGES", "MEMORY", "RECENT", "TREND_POINTS", "BAND_SLOPE", "RatioTren
            "schedule_ahead",
            "update_ratios", "forecast", "freeze_steps"]
 
-# the forecast's histogram of log2(|d| / (lr * gap)): eighths of an octave from 2^-64 to 2^32
-EDGES = torch.arange(-64 * 8, 32 * 8 + 1, dtype=torch.float32) / 8
+# the forecast's histogram of log2(|d| / (lr * gap)): the one binning, eighths of an octave from 2^-64 to 2^32
+EDGES = counts.EDGES
 MEMORY = 20              # the forecast's histogram: a moving average over about this many watched steps
 RECENT = 4               # the trend's starting histogram: a moving average over about this many watched steps
 TREND_POINTS = 256       # the ratio's medians kept per tensor, at most (thinned by doubling)

@@ -69,7 +69,7 @@ class Pack:
         self.numel = sum(self.spans)
         self.dtype, self.device = tensors[0].dtype, tensors[0].device
         self._flat_views: List[torch.Tensor] = []
-        self._flat = self._codes = self._tags = self._block_tensor = None   # made when first needed
+        self._flat = self._ids = self._block_tensor = None   # made when first needed
         self._homes: Optional[tuple] = None   # where adopted tensors live: their views' data pointers
 
     def zeros(self) -> torch.Tensor:
@@ -111,20 +111,13 @@ class Pack:
         if self.several and not self.at_home(tensors):
             copy_into(list(tensors), self._flat_views)
 
-    def codes(self) -> torch.Tensor:
-        """A uint8 buffer of one code per element, kept for the next calls."""
-        if self._codes is None:
-            self._codes = torch.empty(self.numel, dtype=torch.uint8, device=self.device)
-        return self._codes
-
-    def tags(self) -> Optional[torch.Tensor]:
-        """For several tensors (else None): each element's tensor index shifted into the high
-        byte (int32), for one bincount of every code of the pack; the gaps get one past the last."""
-        if self.several and self._tags is None:
-            self._tags = torch.full((self.numel,), len(self.sizes) << 8, dtype=torch.int32, device=self.device)
-            for i, (tag, n) in enumerate(zip(self._tags.split(self.spans), self.sizes)):
-                tag[:n] = i << 8
-        return self._tags
+    def tensor_ids(self) -> Optional[torch.Tensor]:
+        """For several tensors (else None): each element's tensor index (int32, kept), the gaps one past the last."""
+        if self.several and self._ids is None:
+            self._ids = torch.full((self.numel,), len(self.sizes), dtype=torch.int32, device=self.device)
+            for i, (ids, n) in enumerate(zip(self._ids.split(self.spans), self.sizes)):
+                ids[:n] = i
+        return self._ids
 
     def per_tensor(self, blocks: torch.Tensor) -> torch.Tensor:
         """Per-tensor sums of per-block counts (a pack of several), as float64 (exact below 2**53)."""
@@ -135,9 +128,9 @@ class Pack:
         return torch.bincount(self._block_tensor, weights=blocks, minlength=len(self.sizes))
 
     def held_bytes(self, tensors: Optional[Sequence[torch.Tensor]] = None) -> int:
-        """The memory this pack keeps: its buffer (unless ``tensors`` live in it), codes and tags."""
+        """The memory this pack keeps: its buffer (unless ``tensors`` live in it) and tensor indices."""
         home = tensors is not None and self.several and self.at_home(tensors)
-        own = (self._codes, self._tags) if home else (self._flat, self._codes, self._tags)
+        own = (self._ids,) if home else (self._flat, self._ids)
         return sum(t.numel() * t.element_size() for t in own if t is not None)
 
 

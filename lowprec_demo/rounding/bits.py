@@ -21,9 +21,9 @@ Stochastic rounding (``sr_bits``)
     ``index_offset`` draws :func:`hash32` of ``index_offset + i`` modulo 2**32 (as
     :func:`lowprec_demo.rounding.random_bits`).
 
-The freeze rule (``freeze_code_fp32``, ``watch_code_fp32``)
-    :mod:`~lowprec_demo.rounding.rule` at ``q(old)``: a code per element for :func:`torch.bincount`,
-    which stalls on runs of equal codes, so :func:`pair_pattern` alternates between two counters.
+The freeze rule (``freeze_detail_fp32``, ``step_code_fp32``)
+    :mod:`~lowprec_demo.rounding.rule` at ``q(old)``: per element whether it freezes, and a code for one
+    :func:`torch.bincount` that counts a step for the predictor and the watch alike.
 
 Example:
     >>> from lowprec_demo.formats import get_format
@@ -38,12 +38,11 @@ from typing import Dict, Optional
 
 import torch
 
-from lowprec_demo.rounding.rule import (LAYOUTS, BitLayout, RoundParams, RuleParams, code_of, freeze_elements,
-                                        move_share, watch_code)
+from lowprec_demo.rounding.rule import LAYOUTS, BitLayout, RoundParams, RuleParams, freeze_elements, move_share, step_code
 
 __all__ = ["hash32", "rne_bits", "rne_bits_", "sr_bits", "sr_bits_", "round_nearest", "round_stochastic",
-           "rne_magnitude", "freeze_detail_fp32", "watch_code_fp32", "freeze_code_fp32", "pair_pattern",
-           "equal_count_fp32", "changed_blocks_fp32", "frozen_blocks_u8", "BLOCK", "MAX_NUMEL"]
+           "rne_magnitude", "freeze_detail_fp32", "step_code_fp32", "equal_count_fp32", "changed_blocks_fp32", "BLOCK",
+           "MAX_NUMEL"]
 
 MAX_NUMEL = (1 << 31) - 1      # the compiled kernels number elements in int32; larger tensors run eagerly in slices
 BLOCK = 64                     # in a pack of several tensors, each starts at a multiple of this many elements
@@ -264,58 +263,14 @@ def freeze_detail_fp32(old: torch.Tensor, new: torch.Tensor, p: torch.Tensor, in
     return freeze_elements(wu, ob, new - old, q, _F32, infinite_gap=infinite_gap, one_factor=one_factor)
 
 
-def watch_code_fp32(old: torch.Tensor, new: torch.Tensor, grad: torch.Tensor, tensor_id: torch.Tensor,
-                    log_lr: torch.Tensor, p: torch.Tensor, first_edge: float = -64.0, bins: int = 769,
-                    infinite_gap: bool = True, one_factor: bool = False):
-    """For the freeze watch, in one pass: the codes of ``rule.watch_code`` (int32) of the update
-    ``new - old`` at ``q(old)``, and every element's move probability (float32, ``rule.move_share``)."""
+def step_code_fp32(old: torch.Tensor, new: torch.Tensor, grad: Optional[torch.Tensor], tensor_id, log_lr: torch.Tensor,
+                   p: torch.Tensor, infinite_gap: bool = True, one_factor: bool = False):
+    """One pass of the rule over the update ``new - old`` at ``q(old)`` of flat float32 tensors: the codes of
+    ``rule.step_code`` (int32; the flag ``grad != 0``, or 0 without ``grad``) and every element's move probability
+    (float32, ``rule.move_share`` with the random bits of ``p``)."""
     frozen, ratio, stuck = freeze_detail_fp32(old, new, p, infinite_gap, one_factor)
-    k = RuleParams.read(p).rand_bits
-    return watch_code(frozen, ratio, grad, tensor_id, log_lr, first_edge, bins), move_share(ratio, stuck, k)
-
-
-def freeze_code_fp32(old: torch.Tensor, new: torch.Tensor, p: torch.Tensor, out: torch.Tensor,
-                     pattern: Optional[torch.Tensor] = None, fewbit: bool = True, infinite_gap: bool = True,
-                     one_factor: bool = False) -> torch.Tensor:
-    """The freeze codes (``rule.code_of``, the few-bit flag where ``fewbit``) of the update ``new - old`` at
-    ``q(old)`` into ``out`` as ``pattern`` says; returns the sum of the move probabilities (float64, 0-dim).
-    ``pattern`` None: the code (``out`` uint8); int32: the code or-ed with the tag, the index of the element's tensor
-    in a pack shifted left by 8 (``out`` int32); uint8: the layout of :func:`pair_pattern` (``fewbit=False``)."""
-    frozen, ratio, stuck = freeze_detail_fp32(old, new, p, infinite_gap, one_factor)
-    q = RuleParams.read(p)
-    code = code_of(frozen, ratio, q, fewbit)
-    moved = move_share(ratio, stuck, q.rand_bits if fewbit else 0).to(torch.float64).sum()
-    if pattern is None:
-        out.copy_(code.to(torch.uint8))
-    elif pattern.dtype == torch.int32:
-        out.copy_(code | pattern)
-    else:
-        layout = pattern.to(torch.int32)
-        out.copy_(((code << (layout & 1)) | (layout >> 1)).to(torch.uint8))
-    return moved
-
-
-_PATTERNS: Dict[tuple, torch.Tensor] = {}
-
-
-def pair_pattern(n: int, device, layout: str = "paired") -> torch.Tensor:
-    """The layout bytes of :func:`freeze_code_fp32` for ``n`` elements (a view of one tensor per
-    device and layout, kept). With ``c = frozen | bin << 1``: ``"paired"``, two neighbours read as
-    one int16 bincount entry, element i holding ``c << 1 | ((i >> 1) & 1)`` when i is even and
-    ``c`` when odd (the pattern ``1 | ((i >> 1) & 1) << 1`` and 0); ``"bytes"``, one uint8 entry
-    each, ``c << 1 | (i & 1)`` (the pattern ``1 | (i & 1) << 1``), for packs of small tensors."""
-    if layout not in ("paired", "bytes"):
-        raise ValueError(f"layout must be 'paired' or 'bytes'; got {layout!r}")
-    pattern = _PATTERNS.get((device, layout))
-    if pattern is None or pattern.numel() < n:
-        i = torch.arange(max(n, 1 << 16), dtype=torch.int32, device=device)
-        if layout == "paired":
-            even = (i & 1) ^ 1
-            pattern = (even | (((i >> 1) & 1) & even) << 1).to(torch.uint8)
-        else:
-            pattern = (1 | (i & 1) << 1).to(torch.uint8)
-        _PATTERNS[(device, layout)] = pattern
-    return pattern[:n]
+    flag = 0 if grad is None else (grad != 0).to(torch.int32)
+    return step_code(frozen, ratio, flag, tensor_id, log_lr), move_share(ratio, stuck, RuleParams.read(p).rand_bits)
 
 
 def equal_count_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -328,9 +283,3 @@ def changed_blocks_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """How many elements differ (``a == b`` false) in each block of :data:`BLOCK` elements of two
     flat float32 tensors, as float32 (exact; a float sum, which inductor's CPU code vectorizes)."""
     return torch.where(a.view(-1, BLOCK) == b.view(-1, BLOCK), 0.0, 1.0).sum(1)
-
-
-def frozen_blocks_u8(codes: torch.Tensor) -> torch.Tensor:
-    """How many elements freeze in each block of :data:`BLOCK` codes of :func:`freeze_code_fp32`'s
-    ``"bytes"`` layout (the frozen flag in bit 1), as float32 (exact)."""
-    return ((codes.to(torch.int32) >> 1) & 1).to(torch.float32).view(-1, BLOCK).sum(1)

@@ -31,7 +31,7 @@ import torch
 
 from lowprec_demo.formats import FloatFormat, check_overflow_policy, get_format
 from lowprec_demo.rounding import bits as bit_kernels, kernels
-from lowprec_demo.rounding.rule import (LAYOUTS, RATIO_EDGES, freeze_elements, gap_value, move_share, rule_params,
+from lowprec_demo.rounding.rule import (LAYOUTS, freeze_elements, gap_value, move_share, rule_params,
                                         seed_words)
 
 __all__ = ["quantize", "quantize_", "ulp", "would_freeze", "move_probability", "update_ulp_ratio", "decay_rounds_back",
@@ -259,7 +259,7 @@ def _rule(w: torch.Tensor, d: torch.Tensor, fmt: FloatFormat, overflow: Optional
     w, d = torch.broadcast_tensors(w.detach().to(dtype), d.detach().to(dtype))
     w = quantize(w, fmt)
     layout = LAYOUTS[w.dtype]
-    q = rule_params(fmt, None, RATIO_EDGES, layout, overflow)
+    q = rule_params(fmt, None, layout, overflow)
     signed = w.contiguous().view(layout.itype)
     return freeze_elements(signed & layout.abs_mask, signed, d.contiguous(), q, layout, divide=True)
 

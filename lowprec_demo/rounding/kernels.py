@@ -20,17 +20,17 @@ from __future__ import annotations
 import functools
 import os
 import time
-from typing import Callable, Dict, Optional, Sequence
+from typing import Callable, Dict, Optional
 
 import torch
 
 from lowprec_demo.rounding import bits
 from lowprec_demo.formats import FloatFormat
-from lowprec_demo.rounding.rule import LAYOUTS, RATIO_EDGES, RoundParams, gap_options, round_params, rule_params
+from lowprec_demo.rounding.rule import LAYOUTS, RoundParams, gap_options, round_params, rule_params
 
 __all__ = ["MODES", "EAGER_BUDGET", "EAGER_CHUNK", "MAX_NUMEL", "set_mode", "get_mode", "status", "reset",
-           "compile_all", "nearest", "stochastic", "freeze_code", "freeze_detail", "watch_code", "equal_count",
-           "changed_blocks", "frozen_blocks", "fits", "CODE_LAYOUTS", "BLOCK"]
+           "compile_all", "nearest", "stochastic", "freeze_detail", "step_code", "equal_count", "changed_blocks", "fits",
+           "BLOCK"]
 
 MODES = ("auto", "on", "off")
 EAGER_BUDGET = 1 << 27         # "auto": compile once a kernel's eager work would reach this many elements
@@ -160,14 +160,11 @@ _KERNELS = {
     "nearest_": _Kernel(bits.rne_bits_, "nearest_"),
     "stochastic": _Kernel(bits.sr_bits, "stochastic", advance_index),
     "stochastic_": _Kernel(bits.sr_bits_, "stochastic_", advance_index),
-    # five variants (see freeze_code), within torch.compile's eight versions of a function; called
-    # without grad, so that a caller's grad mode does not double them
-    "freeze": _Kernel(bits.freeze_code_fp32, "freeze"),
-    "watch_code": _Kernel(bits.watch_code_fp32, "watch_code"),
+    # called without grad, so that a caller's grad mode does not double the compiled variants
+    "step_code": _Kernel(bits.step_code_fp32, "step_code"),
     "freeze_detail": _Kernel(bits.freeze_detail_fp32, "freeze_detail"),
     "equal_count": _Kernel(bits.equal_count_fp32, "equal_count"),
     "changed_blocks": _Kernel(bits.changed_blocks_fp32, "changed_blocks"),
-    "frozen_blocks": _Kernel(bits.frozen_blocks_u8, "frozen_blocks"),
 }
 
 
@@ -209,14 +206,14 @@ _PARAM_CACHE: Dict[tuple, torch.Tensor] = {}
 
 
 def _cached_params(kind: str, fmt: FloatFormat, overflow: Optional[str], rand_bits: Optional[int],
-                   device: torch.device, edges: Sequence[int] = RATIO_EDGES, dtype=torch.float32) -> torch.Tensor:
+                   device: torch.device, dtype=torch.float32) -> torch.Tensor:
     """The parameter tensor of a format for round to nearest or the rule, made once per device."""
-    key = (kind, fmt, overflow, rand_bits, device, tuple(edges), dtype)
+    key = (kind, fmt, overflow, rand_bits, device, dtype)
     t = _PARAM_CACHE.get(key)
     if t is None:
         layout = LAYOUTS[dtype]
         values = (round_params(fmt, overflow, layout=layout) if kind == "nearest"
-                  else rule_params(fmt, rand_bits, edges, layout, overflow))
+                  else rule_params(fmt, rand_bits, layout, overflow))
         if len(_PARAM_CACHE) > 256:
             _PARAM_CACHE.clear()
         t = _PARAM_CACHE[key] = values.tensor(device, layout)
@@ -258,43 +255,14 @@ def changed_blocks(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return _KERNELS["changed_blocks"](a, b)
 
 
-def frozen_blocks(codes: torch.Tensor) -> torch.Tensor:
-    return _KERNELS["frozen_blocks"](codes)
-
-
-CODE_LAYOUTS = ("codes", "tagged", "paired", "bytes")
-
-
-def freeze_code(old: torch.Tensor, new: torch.Tensor, fmt: FloatFormat, edges: Sequence[int], out: torch.Tensor,
-                layout: str = "codes", rand_bits: Optional[int] = None,
-                tags: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """:func:`~lowprec_demo.rounding.bits.freeze_code_fp32` of two flat float32 tensors into ``out`` with the ratio
-    bins of ``edges``; returns the sum of the move probabilities (float64, 0-dim). ``layout``: ``"codes"``, one code
-    per element with the few-bit flag for k = ``rand_bits`` (None: the flag marks ratios up to 1/2; ``out`` uint8);
-    ``"tagged"``, the same or-ed with ``tags`` (:meth:`lowprec_demo.optim.packing.Pack.tags`, ``out`` int32);
-    ``"paired"`` (an even length) and ``"bytes"``, without the flag, in the layouts of
-    :func:`~lowprec_demo.rounding.bits.pair_pattern` (``out`` uint8), with the gap options of the format
-    (:func:`~lowprec_demo.rounding.rule.gap_options`): five compiled variants.
-    """
-    if layout in ("paired", "bytes"):
-        p = _cached_params("freeze", fmt, None, None, old.device, edges)
-        pattern = bits.pair_pattern(old.numel(), old.device, layout)
-        return _KERNELS["freeze"](old, new, p, out, pattern, fewbit=False, **gap_options(fmt))
-    if layout not in CODE_LAYOUTS:
-        raise ValueError(f"layout must be one of {', '.join(CODE_LAYOUTS)}; got {layout!r}")
-    p = _cached_params("freeze", fmt, None, rand_bits, old.device, edges)
-    return _KERNELS["freeze"](old, new, p, out, tags if layout == "tagged" else None,
-                              fewbit=True, infinite_gap=True, one_factor=False)
-
-
-def watch_code(old: torch.Tensor, new: torch.Tensor, grad: torch.Tensor, tensor_id: torch.Tensor,
-               log_lr: torch.Tensor, fmt: FloatFormat, first_edge: float, bins: int):
-    """The freeze watch's codes and move probabilities of flat float32 tensors
-    (:func:`lowprec_demo.rounding.bits.watch_code_fp32`); ``tensor_id`` int32, ``log_lr``
-    float32 per tensor (or 0-dim: one for all)."""
-    p = _cached_params("freeze", fmt, None, None, old.device)
-    return _KERNELS["watch_code"](old, new, grad, tensor_id, log_lr, p, first_edge=first_edge, bins=bins,
-                                 **gap_options(fmt))
+def step_code(old: torch.Tensor, new: torch.Tensor, grad: Optional[torch.Tensor], tensor_id: torch.Tensor,
+              log_lr: torch.Tensor, fmt: FloatFormat, rand_bits: Optional[int] = None):
+    """The codes (``rule.step_code``) and move probabilities (resolved to ``rand_bits``, None: full) of the update
+    ``new - old`` at ``q(old)`` of flat float32 tensors (:func:`lowprec_demo.rounding.bits.step_code_fp32`);
+    ``grad`` the gradients or None (no flag), ``tensor_id`` int32 per element or 0-dim, ``log_lr`` float32 per tensor
+    or 0-dim (one for all)."""
+    p = _cached_params("freeze", fmt, None, rand_bits, old.device)
+    return _KERNELS["step_code"](old, new, grad, tensor_id, log_lr, p)
 
 
 def freeze_detail(old: torch.Tensor, new: torch.Tensor, fmt: FloatFormat, overflow: Optional[str] = None):
@@ -314,19 +282,16 @@ def compile_all(device="cpu") -> dict:
         nearest(x.clone(), fmt, "inf", inplace=True)
         stochastic(x, fmt, "inf", None, 1)
         stochastic(x.clone(), fmt, "inf", None, 1, inplace=True)
-        edges = range(-8, 8)   # (any edges: they are values of the parameter tensor, not of the code)
-        codes = torch.empty(4096, dtype=torch.uint8, device=device)
-        freeze_code(x, x + 1e-3, fmt, edges, codes)
-        freeze_code(x, x + 1e-3, fmt, edges, torch.empty(4096, dtype=torch.int32, device=device), "tagged",
-                    tags=torch.zeros(4096, dtype=torch.int32, device=device))
-        for f in (fmt, FloatFormat(3, 0), FloatFormat(8, 7)):   # the three settings of gap_options
-            freeze_code(x, x + 1e-3, f, edges, codes, "paired")
+        zero, ids = torch.zeros((), device=device), torch.zeros(4096, dtype=torch.int32, device=device)
+        # the four variants: the predictor's (one tensor, or a pack of several), the watch's (one learning rate, or
+        # one per tensor)
+        step_code(x, x + 1e-3, None, zero.to(torch.int32), zero, fmt)
+        step_code(x, x + 1e-3, None, ids, zero, fmt)
+        step_code(x, x + 1e-3, x, ids, zero, fmt)
+        step_code(x, x + 1e-3, x, ids, torch.zeros(1, device=device), fmt)
         freeze_detail(x, x + 1e-3, fmt)
-        watch_code(x, x + 1e-3, x, torch.zeros(4096, dtype=torch.int32, device=device),
-                   torch.zeros(1, device=device), fmt, -64.0, 769)
         equal_count(x, x + 1e-3)
         changed_blocks(x, x + 1e-3)
-        frozen_blocks(torch.zeros(4096, dtype=torch.uint8, device=device))
         if x.device.type == "cuda":
             torch.cuda.synchronize()
     finally:

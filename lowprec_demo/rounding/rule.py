@@ -18,7 +18,7 @@ Example:
     >>> import torch
     >>> from lowprec_demo.formats import get_format
     >>> w, d = torch.tensor([1.0, 1.0, 448.0]), torch.tensor([2**-9, -2**-9, 32.0])
-    >>> q = rule_params(get_format("e4m3"), None, RATIO_EDGES)
+    >>> q = rule_params(get_format("e4m3"))
     >>> frozen, ratio, stuck = freeze_elements(w.view(torch.int32) & 0x7FFFFFFF, w.view(torch.int32), d, q)
     >>> frozen.tolist(), stuck.tolist()
     ([True, True, True], [False, False, True])
@@ -27,19 +27,20 @@ Example:
 from __future__ import annotations
 
 import struct
-from typing import Dict, NamedTuple, Optional, Sequence
+from typing import Dict, NamedTuple, Optional
 
 import torch
 
 from lowprec_demo.formats import FloatFormat
 
-__all__ = ["BitLayout", "LAYOUTS", "RATIO_EDGES", "NO_BIN", "RoundParams", "RuleParams", "round_params", "rule_params",
-           "ratio_bin_params", "seed_words", "freeze_elements", "gap_exponent", "gap_value", "move_share", "ratio_bin",
-           "code_of", "decode_code", "watch_code", "gap_options"]
+__all__ = ["BitLayout", "LAYOUTS", "FIRST_EDGE", "LAST_EDGE", "PER_OCTAVE", "BINS", "RoundParams", "RuleParams",
+           "round_params", "rule_params", "seed_words", "freeze_elements", "gap_exponent", "gap_value", "move_share",
+           "step_code", "gap_options"]
 
-# the histogram of log2(|d|/gap): bins between consecutive integers from 2**-24 to 2**8
-RATIO_EDGES = tuple(range(-24, 9))
-NO_BIN = 63                   # the bin of a NaN ratio: counted nowhere
+# the one binning of log2(|d| / gap) (less log2(lr) where the watch divides by the learning rate): eighths of an
+# octave from 2**-64 to 2**32, a bin below and one above; a NaN ratio takes one more slot (BINS) of its own
+FIRST_EDGE, LAST_EDGE, PER_OCTAVE = -64, 32, 8
+BINS = (LAST_EDGE - FIRST_EDGE) * PER_OCTAVE + 2
 FULL_RAND_BITS = 32           # stochastic rounding at full resolution: the 32 bits of one hash
 
 
@@ -101,11 +102,8 @@ class RuleParams(NamedTuple):
     max_bits: int
     overflow_bits: int
     stuck_bits: int        # the weight every outward update leaves in place (-1: none)
-    fewbit_bits: int       # the bit pattern of 2**-(k+1): the few-bit flag's bound
-    rand_bits: int         # k (0: no few-bit prediction)
+    rand_bits: int         # k, SR's random bits for the move probability (0: full resolution)
     stuck_limit: int       # the bits of inf where any finite update leaves inf in place, else 0
-    bin_offset: int        # bias + the first ratio edge (ratio_bin_params)
-    bins: int              # the number of ratio edges
 
 
 # params.tensor(device, layout): the values as one tensor of the layout's integer type;
@@ -140,34 +138,16 @@ def round_params(fmt: FloatFormat, overflow: Optional[str] = None, rand_bits: Op
                        layout.pow2_bits(fmt.e_min - fmt.man_bits), *seed_words(seed), _signed32(index_offset))
 
 
-def rule_params(fmt: FloatFormat, rand_bits: Optional[int], edges: Sequence[int],
-                layout: BitLayout = _F32, overflow: Optional[str] = None) -> RuleParams:
-    """The freeze rule's parameters (:class:`RuleParams`) for k = ``rand_bits`` random bits (None:
-    no few-bit prediction), the ratio bins of ``edges`` and the policy ``overflow`` (None: the
-    format's own), whose stuck weight is max (saturate), inf (inf) or none (nan)."""
+def rule_params(fmt: FloatFormat, rand_bits: Optional[int] = None, layout: BitLayout = _F32,
+                overflow: Optional[str] = None) -> RuleParams:
+    """The freeze rule's parameters (:class:`RuleParams`) for k = ``rand_bits`` random bits (None: full resolution)
+    and the policy ``overflow`` (None: the format's own), whose stuck weight is max (saturate), inf (inf) or none
+    (nan)."""
     overflow = fmt.overflow if overflow is None else overflow
     grid = _grid(fmt, overflow, layout)
-    k = 0 if rand_bits is None else rand_bits
     stuck = {"saturate": grid[2], "inf": layout.inf_bits, "nan": -1}[overflow]
-    return RuleParams(*grid, stuck, layout.pow2_bits(-k - 1), k, layout.inf_bits if overflow == "inf" else 0,
-                      *ratio_bin_params(edges, layout))
-
-
-def ratio_bin_params(edges: Sequence[int], layout: BitLayout = _F32) -> list:
-    """``[bias + edges[0], len(edges)]``: the bins of ``log2(|d|/gap)`` for consecutive integer
-    edges, ``bucketize(log2 r, edges) = ceil(log2 r) - edges[0]`` clamped (:func:`ratio_bin`);
-    they must fit in the code's 6 bits, 63 left for NaN.
-
-    Example:
-        >>> ratio_bin_params(range(-24, 9))
-        [103, 33]
-    """
-    edges = [int(e) for e in edges]
-    if not edges or edges != list(range(edges[0], edges[0] + len(edges))):
-        raise ValueError(f"the ratio bins' edges must be consecutive integers; got {edges}")
-    if len(edges) >= NO_BIN or not 1 - layout.bias <= edges[0] <= layout.bias - len(edges):
-        raise ValueError(f"{len(edges) + 1} bins from {edges[0]} do not fit the freeze code")
-    return [layout.bias + edges[0], len(edges)]
+    return RuleParams(*grid, stuck, 0 if rand_bits is None else rand_bits,
+                      layout.inf_bits if overflow == "inf" else 0)
 
 
 def gap_exponent(wu: torch.Tensor, inward: torch.Tensor, q, layout: BitLayout = _F32) -> torch.Tensor:
@@ -250,56 +230,34 @@ def move_share(ratio: torch.Tensor, stuck: torch.Tensor, k) -> torch.Tensor:
     return torch.where(k > 0, resolved.to(probability.dtype), probability)
 
 
-def ratio_bin(ratio: torch.Tensor, q: RuleParams, layout: BitLayout = _F32) -> torch.Tensor:
-    """The bin of ``log2(ratio)`` as ``bucketize`` with the edges of :func:`ratio_bin_params`:
-    the ratio's exponent rounded up (a nonzero mantissa carries into the exponent), less the
-    first edge, clamped to the bins; ratio 0 in bin 0, NaN in :data:`NO_BIN`."""
-    rb = ratio.view(layout.itype)
-    bin_ = torch.clamp(((rb + ((1 << layout.man_bits) - 1)) >> layout.man_bits) - q.bin_offset, min=0)
-    bin_ = torch.clamp(bin_, max=q.bins)
-    return torch.where(rb > layout.inf_bits, NO_BIN, bin_).to(torch.int32)
+def step_code(frozen: torch.Tensor, ratio: torch.Tensor, flag, tensor_id, log_lr: torch.Tensor) -> torch.Tensor:
+    """The code of every element for one ``bincount`` of a step (int32):
+    ``((tensor_id * (BINS + 1) + at) << 2) | frozen << 1 | flag``, with ``at`` the bin of
+    ``y = log2(ratio) - log_lr[tensor_id]`` (``log_lr`` 0-dim: one for all) among :data:`BINS` bins an eighth of an
+    octave wide from :data:`FIRST_EDGE` (bin 0 up to it, ratio 0 included; the last above :data:`LAST_EDGE`, inf
+    included; NaN in slot ``BINS``). ``flag`` (0/1 int32, or 0) is the watch's gradient flag.
 
-
-def code_of(frozen: torch.Tensor, ratio: torch.Tensor, q: RuleParams, fewbit: bool = True,
-            layout: BitLayout = _F32) -> torch.Tensor:
-    """The freeze code (int32, below 256): bit 0 frozen, then with ``fewbit`` the few-bit flag
-    (``ratio <= 2**-(k+1)``) in bit 1 and the bin in bits 2-7, else the bin in bits 1-6."""
-    bin_ = ratio_bin(ratio, q, layout)
-    if not fewbit:
-        return frozen.to(torch.int32) | (bin_ << 1)
-    flag = (ratio.view(layout.itype) <= q.fewbit_bits).to(torch.int32)
-    return frozen.to(torch.int32) | (flag << 1) | (bin_ << 2)
-
-
-def decode_code(code: torch.Tensor, fewbit: bool = True) -> tuple:
-    """``(frozen, few-bit flag, bin)`` of freeze codes written by :func:`code_of` (the flag is None without ``fewbit``).
-
-    Example:
-        >>> [t.tolist() for t in decode_code(torch.tensor([1 | 1 << 1 | 5 << 2]))]
-        [[True], [True], [5]]
-    """
-    code = code.to(torch.int32)
-    if not fewbit:
-        return (code & 1).bool(), None, code >> 1
-    return (code & 1).bool(), ((code >> 1) & 1).bool(), code >> 2
-
-
-def watch_code(frozen: torch.Tensor, ratio: torch.Tensor, grad: torch.Tensor, tensor_id: torch.Tensor,
-               log_lr: torch.Tensor, first_edge: float, bins: int) -> torch.Tensor:
-    """The freeze watch's code of every element (int32): ``((tensor * bins + at) << 2) | frozen << 1 | (grad != 0)``,
-    ``at`` the bin of ``y = log2(ratio) - log_lr[tensor]`` (the step per unit of learning rate, in gaps; ``log_lr``
-    0-dim: one for all) among ``bins`` bins an eighth of an octave wide from ``first_edge`` (clamped; NaN in the last):
-    one ``bincount`` of the codes gives per tensor the histogram and the frozen, idle and frozen-with-gradient counts.
+    ``ceil(8 y)`` is taken as ``8 * floor(log2 ratio)``, exact from the exponent bits, plus
+    ``ceil(8 * (log2(mantissa) - log_lr))`` with the mantissa in [1, 2): where ``log_lr`` is 0 the octave of every
+    bin is exact (``log2`` is 0 at 1 and in (0, 1] above it), so the bins of whole octaves that the predictor keeps
+    are those of the exact ``ceil(log2 ratio)``.
 
     Example:
         >>> one = torch.ones(1)
-        >>> watch_code(one.bool(), one * 0.25, one, torch.zeros(1, dtype=torch.int32), torch.zeros(1), -4.0, 64).tolist()
-        [67]
+        >>> code = step_code(one.bool(), one * 0.25, 1, torch.zeros(1, dtype=torch.int32), torch.zeros(()))
+        >>> ((code >> 2) % (BINS + 1)).item() == 8 * (-2 - FIRST_EDGE), (code & 3).item()
+        (True, 3)
     """
-    y = torch.log2(ratio) - (log_lr if log_lr.dim() == 0 else log_lr[tensor_id])
-    at = torch.ceil((y - first_edge) * 8)     # (where, not nan_to_num: the compiled loop stays vectorized)
-    at = torch.where(torch.isnan(at), bins - 1, at.clamp(0, bins - 1)).to(torch.int32)
-    return ((tensor_id * bins + at) << 2) | (frozen.to(torch.int32) << 1) | (grad != 0).to(torch.int32)
+    rb = ratio.view(torch.int32) & 0x7FFFFFFF
+    tiny = rb < (1 << 23)                   # 0 or subnormal: scaled into the normal range first
+    normal = torch.where(tiny, ratio * 2.0**64, ratio).view(torch.int32) & 0x7FFFFFFF
+    octave = (normal >> 23) - torch.where(tiny, 127 + 64 + FIRST_EDGE, 127 + FIRST_EDGE)
+    mantissa = ((normal & 0x7FFFFF) | (127 << 23)).view(torch.float32)
+    shift = log_lr if log_lr.dim() == 0 else log_lr[tensor_id]
+    at = octave * PER_OCTAVE + torch.ceil((torch.log2(mantissa) - shift) * PER_OCTAVE).to(torch.int32)
+    at = torch.where(rb == 0, 0, torch.clamp(at, 0, BINS - 1))
+    at = torch.where(rb > _F32.inf_bits, BINS, at)
+    return ((tensor_id * (BINS + 1) + at) << 2) | (frozen.to(torch.int32) << 1) | flag
 
 
 def gap_options(fmt: FloatFormat) -> dict:
