@@ -33,17 +33,17 @@ EDGES = torch.arange(FIRST_EDGE * PER_OCTAVE, LAST_EDGE * PER_OCTAVE + 1, dtype=
 
 def step_counts(old: torch.Tensor, new: torch.Tensor, fmt: FloatFormat, tensor_id: torch.Tensor, n_tensors: int,
                 log_lr: torch.Tensor, grad: Optional[torch.Tensor] = None, rand_bits: Optional[int] = None,
-                compile_now: bool = False) -> tuple:
+                moves_sum: bool = False, compile_now: bool = False) -> tuple:
     """``(counts, moves)`` of the update ``new - old`` (flat tensors, float32 through the kernel where it fits, else
     through the public functions) at ``q(old)``: ``counts[t, bin, frozen, flag]`` (int64, ``BINS + 1`` slots, the last
     for NaN) of ``n_tensors`` tensors by ``tensor_id`` (int32 per element, or 0-dim for one), ``log_lr`` as
     :func:`~lowprec_demo.rounding.rule.step_code` takes it, the flag ``grad != 0`` (0 without ``grad``); and every
-    element's move probability with ``rand_bits`` random bits (None: full resolution). ``compile_now`` compiles the
-    kernel in this call whatever the mode."""
+    element's move probability with ``rand_bits`` random bits (None: full resolution), or with ``moves_sum`` their
+    float64 sum. ``compile_now`` compiles the kernel in this call whatever the mode."""
     if kernels.fits(old, fmt):
         previous = kernels.set_mode("on") if compile_now else None
         try:
-            code, moves = kernels.step_code(old, new, grad, tensor_id, log_lr, fmt, rand_bits)
+            code, moves = kernels.step_code(old, new, grad, tensor_id, log_lr, fmt, rand_bits, moves_sum)
         finally:
             if previous is not None:
                 kernels.set_mode(previous)
@@ -53,6 +53,7 @@ def step_counts(old: torch.Tensor, new: torch.Tensor, fmt: FloatFormat, tensor_i
         code = step_code(would_freeze(old, update, fmt), _float32_up(update_ulp_ratio(old, update, fmt)), flag,
                          tensor_id, log_lr)
         moves = move_probability(old, update, fmt, rand_bits=rand_bits)
+        moves = moves.sum(dtype=torch.float64) if moves_sum else moves
     counts = torch.bincount(code.reshape(-1), minlength=n_tensors * (BINS + 1) * 4)
     return counts.view(n_tensors, BINS + 1, 2, 2), moves
 

@@ -314,10 +314,11 @@ class FreezePredictor(StepTracker):
             for pack, _, old, now in packed:
                 k = len(pack.sizes)   # (a pack's gaps: one more tensor index, left out)
                 ids, n = (pack.tensor_ids(), k + 1) if pack.several else (zero_id, 1)
-                counts, moves = step_counts(old, pack.flat(now), fmt, ids, n, zero_lr, rand_bits=self.rand_bits)
+                counts, moves = step_counts(old, pack.flat(now), fmt, ids, n, zero_lr, rand_bits=self.rand_bits,
+                                            moves_sum=True)
                 parts.append(frozen_per_tensor(counts[:k]).double())
                 hist = hist + histograms(counts[:k], nan="drop").sum(0)
-                moved = moved + moves.sum(dtype=torch.float64)
+                moved = moved + moves
             parts += [hist.double(), moved.reshape(1)]
         values = torch.cat(parts).tolist()
         at = 0
@@ -335,10 +336,10 @@ class FreezePredictor(StepTracker):
             per_tensor, moved, hist = [], 0.0, [0] * BINS
             for name, old, new in pairs:
                 zero = torch.zeros((), device=old.device)
-                counts, moves = step_counts(old.reshape(-1), new.reshape(-1), fmt, zero.to(torch.int32), 1, zero.float(),
-                                            rand_bits=self.rand_bits)
+                counts, moved_here = step_counts(old.reshape(-1), new.reshape(-1), fmt, zero.to(torch.int32), 1,
+                                                 zero.float(), rand_bits=self.rand_bits, moves_sum=True)
                 per_tensor.append((name, int(frozen_per_tensor(counts).item()), old.numel()))
-                moved += moves.sum(dtype=torch.float64).item()
+                moved += moved_here.item()
                 hist = [a + b for a, b in zip(hist, histograms(counts, nan="drop").sum(0).tolist())]
             self._add_counts(fmt, per_tensor, moved, hist)
 

@@ -256,13 +256,13 @@ def changed_blocks(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def step_code(old: torch.Tensor, new: torch.Tensor, grad: Optional[torch.Tensor], tensor_id: torch.Tensor,
-              log_lr: torch.Tensor, fmt: FloatFormat, rand_bits: Optional[int] = None):
-    """The codes (``rule.step_code``) and move probabilities (resolved to ``rand_bits``, None: full) of the update
-    ``new - old`` at ``q(old)`` of flat float32 tensors (:func:`lowprec_demo.rounding.bits.step_code_fp32`);
-    ``grad`` the gradients or None (no flag), ``tensor_id`` int32 per element or 0-dim, ``log_lr`` float32 per tensor
-    or 0-dim (one for all)."""
+              log_lr: torch.Tensor, fmt: FloatFormat, rand_bits: Optional[int] = None, moves_sum: bool = False):
+    """The codes (``rule.step_code``) and move probabilities (resolved to ``rand_bits``, None: full; with
+    ``moves_sum`` their float64 sum) of the update ``new - old`` at ``q(old)`` of flat float32 tensors
+    (:func:`lowprec_demo.rounding.bits.step_code_fp32`); ``grad`` the gradients or None (no flag), ``tensor_id`` int32
+    per element or 0-dim, ``log_lr`` float32 per tensor or 0-dim (one for all)."""
     p = _cached_params("freeze", fmt, None, rand_bits, old.device)
-    return _KERNELS["step_code"](old, new, grad, tensor_id, log_lr, p)
+    return _KERNELS["step_code"](old, new, grad, tensor_id, log_lr, p, moves_sum=moves_sum)
 
 
 def freeze_detail(old: torch.Tensor, new: torch.Tensor, fmt: FloatFormat, overflow: Optional[str] = None):
@@ -285,8 +285,8 @@ def compile_all(device="cpu") -> dict:
         zero, ids = torch.zeros((), device=device), torch.zeros(4096, dtype=torch.int32, device=device)
         # the four variants: the predictor's (one tensor, or a pack of several), the watch's (one learning rate, or
         # one per tensor)
-        step_code(x, x + 1e-3, None, zero.to(torch.int32), zero, fmt)
-        step_code(x, x + 1e-3, None, ids, zero, fmt)
+        step_code(x, x + 1e-3, None, zero.to(torch.int32), zero, fmt, moves_sum=True)
+        step_code(x, x + 1e-3, None, ids, zero, fmt, moves_sum=True)
         step_code(x, x + 1e-3, x, ids, zero, fmt)
         step_code(x, x + 1e-3, x, ids, torch.zeros(1, device=device), fmt)
         freeze_detail(x, x + 1e-3, fmt)

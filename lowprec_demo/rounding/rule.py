@@ -240,7 +240,8 @@ def step_code(frozen: torch.Tensor, ratio: torch.Tensor, flag, tensor_id, log_lr
     ``ceil(8 y)`` is taken as ``8 * floor(log2 ratio)``, exact from the exponent bits, plus
     ``ceil(8 * (log2(mantissa) - log_lr))`` with the mantissa in [1, 2): where ``log_lr`` is 0 the octave of every
     bin is exact (``log2`` is 0 at 1 and in (0, 1] above it), so the bins of whole octaves that the predictor keeps
-    are those of the exact ``ceil(log2 ratio)``.
+    are those of the exact ``ceil(log2 ratio)``. A subnormal ratio (below ``2**-126``) counts in bin 0, its bin
+    wherever ``log_lr >= -62``.
 
     Example:
         >>> one = torch.ones(1)
@@ -249,13 +250,11 @@ def step_code(frozen: torch.Tensor, ratio: torch.Tensor, flag, tensor_id, log_lr
         (True, 3)
     """
     rb = ratio.view(torch.int32) & 0x7FFFFFFF
-    tiny = rb < (1 << 23)                   # 0 or subnormal: scaled into the normal range first
-    normal = torch.where(tiny, ratio * 2.0**64, ratio).view(torch.int32) & 0x7FFFFFFF
-    octave = (normal >> 23) - torch.where(tiny, 127 + 64 + FIRST_EDGE, 127 + FIRST_EDGE)
-    mantissa = ((normal & 0x7FFFFF) | (127 << 23)).view(torch.float32)
+    octave = (rb >> 23) - (127 + FIRST_EDGE)
+    mantissa = ((rb & 0x7FFFFF) | (127 << 23)).view(torch.float32)
     shift = log_lr if log_lr.dim() == 0 else log_lr[tensor_id]
     at = octave * PER_OCTAVE + torch.ceil((torch.log2(mantissa) - shift) * PER_OCTAVE).to(torch.int32)
-    at = torch.where(rb == 0, 0, torch.clamp(at, 0, BINS - 1))
+    at = torch.where(rb < (1 << 23), 0, torch.clamp(at, 0, BINS - 1))     # 0 and the subnormals in bin 0
     at = torch.where(rb > _F32.inf_bits, BINS, at)
     return ((tensor_id * (BINS + 1) + at) << 2) | (frozen.to(torch.int32) << 1) | flag
 
