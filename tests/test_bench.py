@@ -341,6 +341,12 @@ def test_step_code_is_the_freeze_rule(compiled, key):
             code, moves = compiled["step_code"](*args)
             eager_code, eager_moves = bit_kernels.step_code_fp32(*args)
             assert torch.equal(code, eager_code) and same_bits(moves, eager_moves)
+            if g is None:   # the predictor's call: the move probabilities' sum in the same pass
+                summed = compiled["step_code"](*args, moves_sum=True)
+                assert torch.equal(summed[0], code) and summed[1].dtype == torch.float64 and summed[1].dim() == 0
+                want_sum = moves.double().sum()
+                assert ((want_sum.isnan() and summed[1].isnan())
+                        or math.isclose(summed[1].item(), want_sum.item(), rel_tol=1e-12))
             assert torch.equal((code >> 1) & 1, frozen)
             assert same_bits(moves, move_probability(stored, update, fmt, rand_bits=k))
             assert torch.equal(code & 1, torch.zeros_like(code) if g is None else (grad != 0).to(torch.int32))
