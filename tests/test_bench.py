@@ -52,6 +52,10 @@ def compiled():
     calls them (one grad mode: no version compiled for the other); skipped where torch.compile
     cannot build them (no C++ compiler): the eager path is then all there is, and
     test_rounding.py checks it."""
+    # torch.compile keeps at most 8 versions of a function per process: start from none, so that the versions other
+    # test files compiled before (in a random order) do not count here
+    torch._dynamo.reset()
+    kernels.reset()
     kernels.compile_all("cpu")
     table = kernels._KERNELS
     failed = {k: v.failed["cpu"] for k, v in table.items() if "cpu" in v.failed}
@@ -229,7 +233,7 @@ def test_eager_slices_give_the_same_bits(monkeypatch):
     fp = freeze_rule.rule_params(fmt, 2).tensor()
     tensor_id = (torch.arange(len(x), dtype=torch.int32) * 3) // len(x)
     log_lr, grad = torch.tensor([-3.0, -7.3, 0.0]), torch.where(torch.arange(len(x)) % 5 == 0, 0.0, 1.0)
-    code, moves = bit_kernels.step_code_fp32(x, new, grad, tensor_id, log_lr, fp)
+    code, moves = bit_kernels.step_code_fp32(x, new, grad, tensor_id, freeze_rule.bin_thresholds(log_lr), fp)
     monkeypatch.setattr(kernels, "EAGER_CHUNK", 999)
     previous = kernels.set_mode("off")
     try:
@@ -322,8 +326,8 @@ def freeze_cases(key):
 def test_step_code_is_the_freeze_rule(compiled, key):
     """The one kernel of the predictor and the watch, compiled and eagerly: frozen is would_freeze, the move
     probability move_probability with k random bits, the flag grad != 0 (0 without grad), the tensor its id; the bin
-    of log2(ratio) - log_lr within one eighth of an octave of the exact one (off in a few elements at most), and with
-    log_lr 0 in the exact whole octave, which is what the predictor keeps."""
+    of log2(ratio) - log_lr that of float64 (exact here: the shift is given as thresholds, rule.bin_thresholds), and
+    with log_lr 0 in the exact whole octave, which is what the predictor keeps."""
     fmt = TR.FREEZE_FORMATS[key]
     old, new = freeze_cases(key)
     stored, update = quantize(old, fmt), new - old
@@ -337,26 +341,49 @@ def test_step_code_is_the_freeze_rule(compiled, key):
         p = freeze_rule.rule_params(fmt, k).tensor()
         for log_lr, g in ((zero, None), (torch.tensor([-3.0, -7.5, -10.25, 0.0, -60.0]), grad),
                           (torch.tensor(-13.29), grad)):
-            args = (old, new, g, tensor_id, log_lr, p)
-            code, moves = compiled["step_code"](*args)
-            eager_code, eager_moves = bit_kernels.step_code_fp32(*args)
-            assert torch.equal(code, eager_code) and same_bits(moves, eager_moves)
+            args = (old, new, g, tensor_id, freeze_rule.bin_thresholds(log_lr), p)
+            eager_code, moves = bit_kernels.step_code_fp32(*args)
             if g is None:   # the predictor's call: the move probabilities' sum in the same pass
-                summed = compiled["step_code"](*args, moves_sum=True)
-                assert torch.equal(summed[0], code) and summed[1].dtype == torch.float64 and summed[1].dim() == 0
+                code, summed = compiled["step_code"](*args, moves_sum=True)
+                assert summed.dtype == torch.float64 and summed.dim() == 0
                 want_sum = moves.double().sum()
-                assert ((want_sum.isnan() and summed[1].isnan())
-                        or math.isclose(summed[1].item(), want_sum.item(), rel_tol=1e-12))
+                assert ((want_sum.isnan() and summed.isnan())
+                        or math.isclose(summed.item(), want_sum.item(), rel_tol=1e-12))
+            else:           # the watch's: every element's move probability
+                code, compiled_moves = compiled["step_code"](*args)
+                assert same_bits(compiled_moves, moves)
+            assert torch.equal(code, eager_code)
             assert torch.equal((code >> 1) & 1, frozen)
             assert same_bits(moves, move_probability(stored, update, fmt, rand_bits=k))
             assert torch.equal(code & 1, torch.zeros_like(code) if g is None else (grad != 0).to(torch.int32))
             assert torch.equal((code >> 2) // (BINS + 1), tensor_id)
             at = (code >> 2) % (BINS + 1)
             want = exact_eighths(ratio, log_lr if log_lr.dim() == 0 else log_lr[tensor_id])
-            off = (at - want).abs()
-            assert off.max() <= 1 and (off > 0).sum() <= max(2, len(old) // 1000), (k, log_lr)
+            assert torch.equal(at, want), (k, log_lr, (at != want).sum().item())
             if log_lr.dim() == 0 and log_lr.item() == 0:
                 assert torch.equal(octave_of(at), exact_bins(ratio))
+
+
+def test_the_eighth_bins_are_exact_next_to_every_threshold():
+    """Unshifted (the predictor's bins), ``ceil(8 log2 r)`` in exact rational arithmetic (``r**8`` against powers of
+    two) for ratios at, just below and just above every threshold ``2**(j/8)``, in many octaves, and random ones."""
+    from fractions import Fraction
+    t = freeze_rule.bin_thresholds()[1:]
+    near = torch.cat([t, torch.nextafter(t, torch.full_like(t, 2.0)), torch.nextafter(t, torch.zeros_like(t))])
+    scale = torch.exp2(torch.arange(-60, 30, 7, dtype=torch.float32))
+    g = torch.Generator().manual_seed(3)
+    ratio = torch.cat([(near[:, None] * scale[None, :]).reshape(-1), torch.rand(3000, generator=g) * 2.0 ** 10])
+    code = freeze_rule.step_code(torch.zeros(len(ratio), dtype=torch.bool), ratio, 0, torch.zeros((), dtype=torch.int32),
+                                 freeze_rule.bin_thresholds())
+    for r, at in zip(ratio.tolist(), ((code >> 2) % (BINS + 1)).tolist()):
+        power = Fraction(r) ** 8
+        k = math.ceil(math.log2(r) * 8)
+        while power > Fraction(2) ** k:        # the least k with r**8 <= 2**k: ceil(8 log2 r)
+            k += 1
+        while power <= Fraction(2) ** (k - 1):
+            k -= 1
+        want = 0 if r == 0 else min(max(k - 8 * FIRST_EDGE, 0), BINS - 1)
+        assert at == want, (r, at, want)
 
 
 @pytest.mark.parametrize("key", ["e4m3", "e5m2", "fp16", "e3m2", "e2m0"])
@@ -368,19 +395,47 @@ def test_step_code_under_every_overflow_policy(compiled, key):
     big = torch.tensor([1e30, -1e30, 7e4, -7e4, 500.0, 480.0, 464.0, 65520.0, 3.0e38], dtype=torch.float32)
     old = torch.cat([old, big, big])
     new = torch.cat([new, big * 1.5, big * 0.5])
-    zero = torch.zeros(())
     for policy in TR.policies(TR.FREEZE_FORMATS[key]):
         fmt = TR.FREEZE_FORMATS[key].with_overflow(policy)
         stored, update = quantize(old, fmt), new - old
         frozen, ratio = would_freeze(stored, update, fmt), update_ulp_ratio(stored, update, fmt)
         p = freeze_rule.rule_params(fmt).tensor()
-        args = (old, new, None, zero.to(torch.int32), zero, p)
+        # (the watch's variant of the kernel, gradients all nonzero: the package's variants are all that compile here)
+        args = (old, new, torch.ones_like(old), torch.zeros(len(old), dtype=torch.int32), freeze_rule.bin_thresholds(), p)
         code, moves = compiled["step_code"](*args)
         eager_code, eager_moves = bit_kernels.step_code_fp32(*args)
         assert torch.equal(code, eager_code) and same_bits(moves, eager_moves), policy
+        assert torch.equal(code & 1, torch.ones_like(code)), policy
         assert torch.equal(((code >> 1) & 1).bool(), frozen), policy
         assert torch.equal(octave_of(code >> 2), exact_bins(ratio)), policy
         assert same_bits(moves, move_probability(stored, update, fmt)), policy
+
+
+def test_the_step_kernel_compiles_four_versions_whatever_the_sizes():
+    """torch.compile keeps at most 8 versions of a function per process (then it raises, and the package goes eager):
+    the calls of the predictor and the watch, at any size and number of tensors, compile the four of compile_all."""
+    entries = getattr(torch._dynamo.eval_frame, "_debug_get_cache_entry_list", None)
+    if entries is None:
+        pytest.skip("this torch has no torch._dynamo.eval_frame._debug_get_cache_entry_list to count versions with")
+    torch._dynamo.reset()
+    kernels.reset()
+    previous = kernels.set_mode("on")
+    try:
+        kernels.compile_all("cpu")
+        assert len(entries(bit_kernels.step_code_fp32.__code__)) == 4
+        fmt = get_format("bf16")
+        for n, tensors in ((2, 1), (3, 2), (1000, 3), (4097, 7), (50_000, 40)):
+            old = torch.randn(n)
+            new, grad = old + 1e-3 * torch.randn(n), torch.randn(n)
+            ids = (torch.arange(n, dtype=torch.int32) * tensors) // n
+            zero = torch.zeros(())
+            step_counts(old, new, fmt, zero.to(torch.int32), 1, zero, moves_sum=True)
+            step_counts(old, new, fmt, ids, tensors, zero, moves_sum=True, rand_bits=3)
+            step_counts(old, new, fmt, ids, tensors, torch.tensor(-9.5), grad)
+            step_counts(old, new, fmt, ids, tensors, torch.linspace(-20, 0, tensors), grad)
+        assert len(entries(bit_kernels.step_code_fp32.__code__)) == 4
+    finally:
+        kernels.set_mode(previous)
 
 
 @pytest.mark.parametrize("mode", ["off", "on"])
@@ -839,9 +894,7 @@ def test_cuda_compiled_kernels_match_the_cpu(key):
         log_lr, grad = torch.tensor([0.0, -7.3, -12.0]), torch.where(torch.arange(len(old)) % 5 == 0, 0.0, 1.0)
         code, moves = kernels.step_code(old.cuda(), new.cuda(), grad.cuda(), tensor_id.cuda(), log_lr.cuda(), fmt, 3)
         p = freeze_rule.rule_params(fmt, 3).tensor()
-        want_code, want_moves = bit_kernels.step_code_fp32(old, new, grad, tensor_id, log_lr, p)
-        assert torch.equal(code.cpu() & 3, want_code & 3) and same_bits(moves.cpu(), want_moves)
-        at, want_at = (code.cpu() >> 2) % (BINS + 1), (want_code >> 2) % (BINS + 1)
-        assert (at - want_at).abs().max() <= 1 and torch.equal(octave_of(at[tensor_id == 0]), octave_of(want_at[tensor_id == 0]))
+        want_code, want_moves = bit_kernels.step_code_fp32(old, new, grad, tensor_id, freeze_rule.bin_thresholds(log_lr), p)
+        assert torch.equal(code.cpu(), want_code) and same_bits(moves.cpu(), want_moves)   # every bin exactly
     finally:
         kernels.set_mode(previous)

@@ -25,7 +25,7 @@ import exact_reference as ER  # noqa: E402
 
 import lowprec_demo as lp  # noqa: E402
 from lowprec_demo.rounding import bits as bit_kernels  # noqa: E402
-from lowprec_demo.rounding.rule import rule_params  # noqa: E402
+from lowprec_demo.rounding.rule import bin_thresholds, rule_params  # noqa: E402
 
 FORMATS = ["e4m3", "e5m2", "bf16", "fp16"]
 FACTORS = [0.0, 0.125, 0.25, 0.5, 0.75, 1.0, 1.5, 3.0]   # updates in ulps of the weight, both signs
@@ -109,9 +109,9 @@ def test_the_freeze_kernel_is_the_exact_rule(key):
     old, new = cases(fmt)
     for k in (None, 3):
         p = rule_params(fmt, k).tensor()
-        zero = torch.zeros(())
+        zero, unshifted = torch.zeros(()), bin_thresholds()
         for i in range(len(old)):
-            code, moves = bit_kernels.step_code_fp32(old[i:i + 1], new[i:i + 1], None, zero.to(torch.int32), zero, p)
+            code, moves = bit_kernels.step_code_fp32(old[i:i + 1], new[i:i + 1], None, zero.to(torch.int32), unshifted, p)
             moved = moves.item()
             w, d = old[i].item(), (new[i] - old[i]).item()
             want_frozen, want_move = reference(w, d, fmt, k)

@@ -51,7 +51,7 @@ def check_bits(device: str, mode: str = "on", n_random: int = 50_000, stride: in
 
     from lowprec_demo.rounding import bits as bit_kernels, kernels
     from lowprec_demo.formats import get_format
-    from lowprec_demo.rounding.rule import BINS, FIRST_EDGE, round_params, rule_params
+    from lowprec_demo.rounding.rule import bin_thresholds, round_params, rule_params
     from lowprec_demo.rounding.core import quantize
 
     def exact_nearest(x, fmt, policy):   # float64 on the CPU: the package's exact route
@@ -106,14 +106,10 @@ def check_bits(device: str, mode: str = "on", n_random: int = 50_000, stride: in
             zero = torch.zeros((), device=device)
             code, moves = kernels.step_code(old.to(device), new.to(device), None, zero.to(torch.int32), zero, fmt, 3)
             p = rule_params(fmt, 3).tensor()
-            want_code, want_moves = bit_kernels.step_code_fp32(old, new, None, zero.cpu().to(torch.int32), zero.cpu(), p)
-            def fold(at):   # an eighth-octave bin's whole octave (the last two slots: above the range, NaN)
-                return torch.where(at >= BINS - 1, at, FIRST_EDGE - torch.div(-at, 8, rounding_mode="floor"))
-
-            # the frozen bit exactly; the bin within an eighth of an octave (the device's log2), its octave exactly
-            at, want_at = code.cpu() >> 2, want_code >> 2
-            row["step_code"] = int(((code.cpu() & 3) != (want_code & 3)).sum() + ((at - want_at).abs() > 1).sum()
-                                   + (fold(at) != fold(want_at)).sum())
+            want_code, want_moves = bit_kernels.step_code_fp32(old, new, None, zero.cpu().to(torch.int32),
+                                                                 bin_thresholds(), p)
+            # every code exactly: the frozen bit, and the bin by comparisons with the same thresholds
+            row["step_code"] = int((code.cpu() != want_code).sum())
             moved, want_moved = moves.double().sum(), want_moves.double().sum()
             row["moved_relative_error"] = abs(moved.item() - want_moved.item()) / max(1e-300, abs(want_moved.item()))
             out[key] = row

@@ -23,7 +23,7 @@ import torch
 from lowprec_demo.formats import FloatFormat
 from lowprec_demo.rounding import kernels
 from lowprec_demo.rounding.core import move_probability, update_ulp_ratio, would_freeze
-from lowprec_demo.rounding.rule import BINS, FIRST_EDGE, LAST_EDGE, PER_OCTAVE, step_code
+from lowprec_demo.rounding.rule import BINS, FIRST_EDGE, LAST_EDGE, PER_OCTAVE, bin_thresholds, step_code
 
 __all__ = ["step_counts", "frozen_per_tensor", "histograms", "fold_octaves", "fewbit_count", "EDGES"]
 
@@ -32,14 +32,14 @@ EDGES = torch.arange(FIRST_EDGE * PER_OCTAVE, LAST_EDGE * PER_OCTAVE + 1, dtype=
 
 
 def step_counts(old: torch.Tensor, new: torch.Tensor, fmt: FloatFormat, tensor_id: torch.Tensor, n_tensors: int,
-                log_lr: torch.Tensor, grad: Optional[torch.Tensor] = None, rand_bits: Optional[int] = None,
+                log_lr: Optional[torch.Tensor], grad: Optional[torch.Tensor] = None, rand_bits: Optional[int] = None,
                 moves_sum: bool = False, compile_now: bool = False) -> tuple:
     """``(counts, moves)`` of the update ``new - old`` (flat tensors, float32 through the kernel where it fits, else
     through the public functions) at ``q(old)``: ``counts[t, bin, frozen, flag]`` (int64, ``BINS + 1`` slots, the last
-    for NaN) of ``n_tensors`` tensors by ``tensor_id`` (int32 per element, or 0-dim for one), ``log_lr`` as
-    :func:`~lowprec_demo.rounding.rule.step_code` takes it, the flag ``grad != 0`` (0 without ``grad``); and every
-    element's move probability with ``rand_bits`` random bits (None: full resolution), or with ``moves_sum`` their
-    float64 sum. ``compile_now`` compiles the kernel in this call whatever the mode."""
+    for NaN) of ``n_tensors`` tensors by ``tensor_id`` (int32 per element, or 0-dim for one), the bins shifted by
+    ``log_lr`` (float32 per tensor, 0-dim for all, None for none: :func:`~lowprec_demo.rounding.rule.bin_thresholds`),
+    the flag ``grad != 0`` (0 without ``grad``); and every element's move probability with ``rand_bits`` random bits
+    (None: full resolution), or with ``moves_sum`` their float64 sum. ``compile_now`` compiles the kernel in this call whatever the mode."""
     if kernels.fits(old, fmt):
         previous = kernels.set_mode("on") if compile_now else None
         try:
@@ -51,7 +51,7 @@ def step_counts(old: torch.Tensor, new: torch.Tensor, fmt: FloatFormat, tensor_i
         update = new - old
         flag = 0 if grad is None else (grad != 0).to(torch.int32)
         code = step_code(would_freeze(old, update, fmt), _float32_up(update_ulp_ratio(old, update, fmt)), flag,
-                         tensor_id, log_lr)
+                         tensor_id, bin_thresholds(log_lr, old.device))
         moves = move_probability(old, update, fmt, rand_bits=rand_bits)
         moves = moves.sum(dtype=torch.float64) if moves_sum else moves
     counts = torch.bincount(code.reshape(-1), minlength=n_tensors * (BINS + 1) * 4)
@@ -69,7 +69,8 @@ def _float32_up(ratio: torch.Tensor) -> torch.Tensor:
 
 def frozen_per_tensor(counts: torch.Tensor) -> torch.Tensor:
     """The frozen elements of each tensor in :func:`step_counts`' counts."""
-    return counts[:, :, 1, :].sum((1, 2))
+    per_bin = counts.reshape(len(counts), -1, 4)     # (the frozen codes: 2 and 3 of every four)
+    return (per_bin[:, :, 2] + per_bin[:, :, 3]).sum(1)
 
 
 def histograms(counts: torch.Tensor, nan: str = "last") -> torch.Tensor:
@@ -95,31 +96,48 @@ def _check_edges(edges: Sequence[int]) -> List[int]:
     return edges
 
 
-def fold_octaves(hist: Sequence[int], edges: Sequence[int]) -> List[int]:
+def _fold_index(edges: tuple, device: torch.device) -> torch.Tensor:
+    """Per eighth-octave bin, the whole octave it folds into (see :func:`fold_octaves`), made once per edges and
+    device."""
+    key = (edges, str(device))
+    index = _FOLD_INDEX.get(key)
+    if index is None:
+        at = torch.arange(BINS, dtype=torch.int64)
+        # bin b covers (b/8 - 1/8, b/8] above FIRST_EDGE: its whole octave is the ceil of its upper edge
+        index = (FIRST_EDGE - torch.div(-at, PER_OCTAVE, rounding_mode="floor") - edges[0]).clamp(0, len(edges))
+        index[0], index[BINS - 1] = 0, len(edges)
+        index = _FOLD_INDEX[key] = index.to(device)
+    return index
+
+
+_FOLD_INDEX: dict = {}
+
+
+def fold_octaves(hist, edges: Sequence[int]):
     """A histogram of :data:`BINS` eighth-octave bins (NaN left out) as ``bucketize(log2 ratio, edges)`` for
     consecutive integer ``edges`` within the bins' range: bin ``b`` of ``(e - 1/8, e]`` per eighth folds into the
-    whole octave ``ceil`` of its upper edge, the first bin into 0 and the last into ``len(edges)``.
+    whole octave ``ceil`` of its upper edge, the first bin into 0 and the last into ``len(edges)``. A tensor
+    (int64, histograms along its last dimension) gives a tensor on its device, a sequence a list.
 
     Example:
         >>> hist = [0] * 770; hist[0] = 1; hist[8 * 64] = 2; hist[8 * 64 + 1] = 3; hist[-1] = 4
         >>> fold_octaves(hist, [-1, 0, 1])
         [1, 2, 3, 4]
     """
-    edges = _check_edges(edges)
-    out = [0] * (len(edges) + 1)
-    for at, count in enumerate(hist):
-        if at == 0:
-            coarse = 0
-        elif at >= BINS - 1:
-            coarse = len(edges)
-        else:
-            coarse = min(max(FIRST_EDGE - (-at // PER_OCTAVE) - edges[0], 0), len(edges))
-        out[coarse] += int(count)
-    return out
+    edges = tuple(_check_edges(edges))
+    h = hist if torch.is_tensor(hist) else torch.tensor([int(c) for c in hist], dtype=torch.int64)
+    if h.shape[-1] != BINS:
+        raise ValueError(f"a histogram of {BINS} eighth-octave bins is needed; got {h.shape[-1]}")
+    out = torch.zeros(h.shape[:-1] + (len(edges) + 1,), dtype=h.dtype, device=h.device)
+    out.index_add_(-1, _fold_index(edges, h.device), h)
+    return out if torch.is_tensor(hist) else out.tolist()
 
 
-def fewbit_count(hist: Sequence[int], rand_bits: int) -> int:
+def fewbit_count(hist, rand_bits: int):
     """How many ratios of an eighth-octave histogram (NaN left out) are at most ``2**-(rand_bits + 1)``: those that SR
-    with ``rand_bits`` random bits never moves."""
-    last = PER_OCTAVE * (-(rand_bits + 1) - FIRST_EDGE)   # the bin whose upper edge is -(k + 1)
-    return int(sum(hist[:max(last, 0) + 1]))
+    with ``rand_bits`` random bits never moves. A tensor (histograms along its last dimension) gives a tensor, a
+    sequence an int."""
+    last = max(PER_OCTAVE * (-(rand_bits + 1) - FIRST_EDGE), 0) + 1   # up to the bin whose upper edge is -(k + 1)
+    if torch.is_tensor(hist):
+        return hist[..., :last].sum(-1)
+    return int(sum(int(c) for c in hist[:last]))

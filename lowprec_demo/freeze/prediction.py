@@ -302,9 +302,10 @@ class FreezePredictor(StepTracker):
         return values[name]
 
     def _after_step_packed(self, packed) -> None:
-        """Every format by :func:`~lowprec_demo.freeze.counts.step_counts` per pack, one transfer."""
+        """Every format by :func:`~lowprec_demo.freeze.counts.step_counts` per pack, folded on the device, one
+        transfer."""
         device = packed[0][2].device if packed else torch.device("cpu")
-        zero_id, zero_lr = torch.zeros((), dtype=torch.int32, device=device), torch.zeros((), device=device)
+        zero_id = torch.zeros((), dtype=torch.int32, device=device)
         names = [name for _, pack_names, _, _ in packed for name in pack_names]
         sizes = [n for pack, _, _, _ in packed for n in pack.sizes]
         parts = []
@@ -314,45 +315,62 @@ class FreezePredictor(StepTracker):
             for pack, _, old, now in packed:
                 k = len(pack.sizes)   # (a pack's gaps: one more tensor index, left out)
                 ids, n = (pack.tensor_ids(), k + 1) if pack.several else (zero_id, 1)
-                counts, moves = step_counts(old, pack.flat(now), fmt, ids, n, zero_lr, rand_bits=self.rand_bits,
+                counts, moves = step_counts(old, pack.flat(now), fmt, ids, n, None, rand_bits=self.rand_bits,
                                             moves_sum=True)
                 parts.append(frozen_per_tensor(counts[:k]).double())
-                hist = hist + histograms(counts[:k], nan="drop").sum(0)
+                hist = hist + histograms(counts[:k].sum(0, keepdim=True), nan="drop")[0]
                 moved = moved + moves
-            parts += [hist.double(), moved.reshape(1)]
-        values = torch.cat(parts).tolist()
-        at = 0
-        for fmt in self.formats:
-            frozen = [int(v) for v in values[at:at + len(names)]]
-            hist = [int(v) for v in values[at + len(names):at + len(names) + BINS]]
-            moved = values[at + len(names) + BINS]
-            at += len(names) + BINS + 1
-            self._add_counts(fmt, list(zip(names, frozen, sizes)), moved, hist)
+            parts += self._summary(hist, moved)
+        self._add_all(torch.cat(parts).tolist(), names, sizes)
 
     def _after_step_by_tensor(self) -> None:
         """Tensor by tensor (where the kernel does not fit: float64 tensors, formats beyond float32): the same count."""
         pairs = list(self._pairs())
+        device = pairs[0][1].device if pairs else torch.device("cpu")
+        zero_id = torch.zeros((), dtype=torch.int32, device=device)
+        parts = []
         for fmt in self.formats:
-            per_tensor, moved, hist = [], 0.0, [0] * BINS
-            for name, old, new in pairs:
-                zero = torch.zeros((), device=old.device)
-                counts, moved_here = step_counts(old.reshape(-1), new.reshape(-1), fmt, zero.to(torch.int32), 1,
-                                                 zero.float(), rand_bits=self.rand_bits, moves_sum=True)
-                per_tensor.append((name, int(frozen_per_tensor(counts).item()), old.numel()))
-                moved += moved_here.item()
-                hist = [a + b for a, b in zip(hist, histograms(counts, nan="drop").sum(0).tolist())]
-            self._add_counts(fmt, per_tensor, moved, hist)
+            hist = torch.zeros(BINS, dtype=torch.int64, device=device)
+            moved = torch.zeros((), dtype=torch.float64, device=device)
+            for _, old, new in pairs:
+                counts, moved_here = step_counts(old.reshape(-1), new.reshape(-1), fmt, zero_id.to(old.device), 1, None,
+                                                 rand_bits=self.rand_bits, moves_sum=True)
+                parts.append(frozen_per_tensor(counts).double().to(device))
+                hist = hist + histograms(counts, nan="drop").sum(0).to(device)
+                moved = moved + moved_here.to(device)
+            parts += self._summary(hist, moved)
+        self._add_all(torch.cat(parts).tolist() if parts else [], [n for n, _, _ in pairs],
+                      [old.numel() for _, old, _ in pairs])
 
-    def _add_counts(self, fmt: FloatFormat, per_tensor: List[tuple], moved: float, hist: List[int]) -> None:
-        """One step of ``fmt``'s record from the frozen elements per tensor, the move sum and the eighth-octave
-        histogram: folded into whole octaves (:data:`RATIO_BINS`), and the few-bit share from it."""
+    def _summary(self, hist: torch.Tensor, moved: torch.Tensor) -> List[torch.Tensor]:
+        """A format's step on the device: its eighth-octave histogram folded into whole octaves (:data:`RATIO_BINS`),
+        the move sum and, for few-bit SR, the count that never moves (float64, to go in one transfer)."""
+        fewbit = fewbit_count(hist, self.rand_bits).reshape(1) if self.rand_bits is not None else hist[:0]
+        return [fold_octaves(hist, RATIO_BINS).double(), moved.reshape(1), fewbit.double()]
+
+    def _add_all(self, values: List[float], names: List[str], sizes: List[int]) -> None:
+        """Every format's record from the values of :meth:`_summary` after its frozen elements per tensor."""
+        at, n_bins = 0, len(RATIO_BINS) + 1
+        for fmt in self.formats:
+            frozen = [int(v) for v in values[at:at + len(names)]]
+            at += len(names)
+            octaves, moved = [int(v) for v in values[at:at + n_bins]], values[at + n_bins]
+            at += n_bins + 1
+            fewbit = None
+            if self.rand_bits is not None:
+                fewbit, at = int(values[at]), at + 1
+            self._add_counts(fmt, list(zip(names, frozen, sizes)), moved, octaves, fewbit)
+
+    def _add_counts(self, fmt: FloatFormat, per_tensor: List[tuple], moved: float, octaves: List[int],
+                    fewbit: Optional[int]) -> None:
+        """One step of ``fmt``'s record from the frozen elements per tensor, the move sum, the whole-octave histogram
+        and (few-bit SR) the count that never moves."""
         rec = self.records[fmt.name]
         count = rec.add_step(per_tensor)
         rec.move_fraction.append(moved / count if count else math.nan)
-        if self.rand_bits is not None:
-            fewbit = fewbit_count(hist, self.rand_bits)
+        if fewbit is not None:
             rec.fewbit_frozen.append(fewbit / count if count else math.nan)
-        rec.ratio_histogram = [a + b for a, b in zip(rec.ratio_histogram, fold_octaves(hist, RATIO_BINS))]
+        rec.ratio_histogram = [a + b for a, b in zip(rec.ratio_histogram, octaves)]
 
 
 def _share_below_half(values: torch.Tensor, scale: Sequence[float]) -> List[float]:

@@ -26,7 +26,7 @@ import torch
 
 from lowprec_demo.rounding import bits
 from lowprec_demo.formats import FloatFormat
-from lowprec_demo.rounding.rule import LAYOUTS, RoundParams, gap_options, round_params, rule_params
+from lowprec_demo.rounding.rule import LAYOUTS, RoundParams, bin_thresholds, gap_options, round_params, rule_params
 
 __all__ = ["MODES", "EAGER_BUDGET", "EAGER_CHUNK", "MAX_NUMEL", "set_mode", "get_mode", "status", "reset",
            "compile_all", "nearest", "stochastic", "freeze_detail", "step_code", "equal_count", "changed_blocks", "fits",
@@ -256,13 +256,14 @@ def changed_blocks(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def step_code(old: torch.Tensor, new: torch.Tensor, grad: Optional[torch.Tensor], tensor_id: torch.Tensor,
-              log_lr: torch.Tensor, fmt: FloatFormat, rand_bits: Optional[int] = None, moves_sum: bool = False):
+              log_lr: Optional[torch.Tensor], fmt: FloatFormat, rand_bits: Optional[int] = None, moves_sum: bool = False):
     """The codes (``rule.step_code``) and move probabilities (resolved to ``rand_bits``, None: full; with
     ``moves_sum`` their float64 sum) of the update ``new - old`` at ``q(old)`` of flat float32 tensors
     (:func:`lowprec_demo.rounding.bits.step_code_fp32`); ``grad`` the gradients or None (no flag), ``tensor_id`` int32
-    per element or 0-dim, ``log_lr`` float32 per tensor or 0-dim (one for all)."""
+    per element or 0-dim, ``log_lr`` float32 per tensor, 0-dim (one for all) or None (no shift)."""
     p = _cached_params("freeze", fmt, None, rand_bits, old.device)
-    return _KERNELS["step_code"](old, new, grad, tensor_id, log_lr, p, moves_sum=moves_sum)
+    bins = bin_thresholds(log_lr, old.device)
+    return _KERNELS["step_code"](old, new, grad, tensor_id, bins, p, moves_sum=moves_sum)
 
 
 def freeze_detail(old: torch.Tensor, new: torch.Tensor, fmt: FloatFormat, overflow: Optional[str] = None):
@@ -282,13 +283,15 @@ def compile_all(device="cpu") -> dict:
         nearest(x.clone(), fmt, "inf", inplace=True)
         stochastic(x, fmt, "inf", None, 1)
         stochastic(x.clone(), fmt, "inf", None, 1, inplace=True)
-        zero, ids = torch.zeros((), device=device), torch.zeros(4096, dtype=torch.int32, device=device)
+        zero = torch.zeros((), device=device)
+        ids = torch.arange(4096, dtype=torch.int32, device=device) % 2
         # the four variants: the predictor's (one tensor, or a pack of several), the watch's (one learning rate, or
-        # one per tensor)
+        # one per tensor: two or more, as step_code passes them)
         step_code(x, x + 1e-3, None, zero.to(torch.int32), zero, fmt, moves_sum=True)
         step_code(x, x + 1e-3, None, ids, zero, fmt, moves_sum=True)
-        step_code(x, x + 1e-3, x, ids, zero, fmt)
-        step_code(x, x + 1e-3, x, ids, torch.zeros(1, device=device), fmt)
+        grad = torch.randn_like(x)     # (not x itself: an argument passed twice compiles a version of its own)
+        step_code(x, x + 1e-3, grad, ids, zero, fmt)
+        step_code(x, x + 1e-3, grad, ids, torch.zeros(2, device=device), fmt)
         freeze_detail(x, x + 1e-3, fmt)
         equal_count(x, x + 1e-3)
         changed_blocks(x, x + 1e-3)

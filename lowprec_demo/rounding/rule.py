@@ -35,7 +35,7 @@ from lowprec_demo.formats import FloatFormat
 
 __all__ = ["BitLayout", "LAYOUTS", "FIRST_EDGE", "LAST_EDGE", "PER_OCTAVE", "BINS", "RoundParams", "RuleParams",
            "round_params", "rule_params", "seed_words", "freeze_elements", "gap_exponent", "gap_value", "move_share",
-           "step_code", "gap_options"]
+           "bin_thresholds", "step_code", "gap_options"]
 
 # the one binning of log2(|d| / gap) (less log2(lr) where the watch divides by the learning rate): eighths of an
 # octave from 2**-64 to 2**32, a bin below and one above; a NaN ratio takes one more slot (BINS) of its own
@@ -230,30 +230,66 @@ def move_share(ratio: torch.Tensor, stuck: torch.Tensor, k) -> torch.Tensor:
     return torch.where(k > 0, resolved.to(probability.dtype), probability)
 
 
-def step_code(frozen: torch.Tensor, ratio: torch.Tensor, flag, tensor_id, log_lr: torch.Tensor) -> torch.Tensor:
+def bin_thresholds(log_lr: Optional[torch.Tensor] = None, device=None) -> torch.Tensor:
+    """The shift of :func:`step_code`'s bins by ``log2(lr)``, as it takes it: float32 ``[a, t_0, ..., t_7]`` per
+    value of ``log_lr`` (float32, 0-dim or one per tensor; None: no shift), with ``a = floor(8 log_lr)`` and ``t_j`` the largest
+    float32 at most ``2 ** ((j + f) / 8)``, ``f = 8 log_lr - a``: a mantissa ``m`` in [1, 2) is above ``t_j`` exactly
+    when it is above ``2 ** ((j + f) / 8)``, so ``ceil(8 (log2 m - log_lr)) = #{j: m > t_j} - a``.
+
+    Example:
+        >>> bin_thresholds()[:3].tolist(), bin_thresholds(torch.tensor([-0.5, -3.0])).shape
+        ([0.0, 1.0, 1.0905076265335083], torch.Size([2, 9]))
+    """
+    key = str(device) if device is not None else (str(log_lr.device) if log_lr is not None else "cpu")
+    if log_lr is None:
+        cached = _UNSHIFTED.get(key)
+        if cached is None:
+            cached = _UNSHIFTED[key] = bin_thresholds(torch.zeros((), device=key))
+        return cached
+    if log_lr.dim() and log_lr.numel() == 1:    # one tensor's rate: one row for all (a row per tensor of one
+        log_lr = log_lr.reshape(())             # would compile a kernel version of its own)
+    eighths = log_lr.double() * PER_OCTAVE                  # (a float32 times 8: exact)
+    a = torch.floor(eighths)
+    f = eighths - a
+    exact = torch.exp2((torch.arange(PER_OCTAVE, dtype=torch.float64, device=log_lr.device) + f.unsqueeze(-1))
+                       / PER_OCTAVE)
+    t = exact.float()
+    t = torch.where(t.double() > exact, torch.nextafter(t, torch.zeros_like(t)), t)   # rounded down
+    return torch.cat([a.float().unsqueeze(-1), t], -1)
+
+
+_UNSHIFTED: Dict[str, torch.Tensor] = {}
+
+
+def step_code(frozen: torch.Tensor, ratio: torch.Tensor, flag, tensor_id, bins: torch.Tensor) -> torch.Tensor:
     """The code of every element for one ``bincount`` of a step (int32):
     ``((tensor_id * (BINS + 1) + at) << 2) | frozen << 1 | flag``, with ``at`` the bin of
-    ``y = log2(ratio) - log_lr[tensor_id]`` (``log_lr`` 0-dim: one for all) among :data:`BINS` bins an eighth of an
-    octave wide from :data:`FIRST_EDGE` (bin 0 up to it, ratio 0 included; the last above :data:`LAST_EDGE`, inf
-    included; NaN in slot ``BINS``). ``flag`` (0/1 int32, or 0) is the watch's gradient flag.
+    ``y = log2(ratio) - log_lr[tensor_id]`` among :data:`BINS` bins an eighth of an octave wide from :data:`FIRST_EDGE`
+    (bin 0 up to it, ratio 0 included; the last above :data:`LAST_EDGE`, inf included; NaN in slot ``BINS``), the shift
+    by ``log_lr`` given as :func:`bin_thresholds` (one row for all, or a row per tensor). ``flag`` (0/1 int32, or 0)
+    is the watch's gradient flag.
 
-    ``ceil(8 y)`` is taken as ``8 * floor(log2 ratio)``, exact from the exponent bits, plus
-    ``ceil(8 * (log2(mantissa) - log_lr))`` with the mantissa in [1, 2): where ``log_lr`` is 0 the octave of every
-    bin is exact (``log2`` is 0 at 1 and in (0, 1] above it), so the bins of whole octaves that the predictor keeps
-    are those of the exact ``ceil(log2 ratio)``. A subnormal ratio (below ``2**-126``) counts in bin 0, its bin
-    wherever ``log_lr >= -62``.
+    ``ceil(8 y)`` is ``8 * floor(log2 ratio)``, exact from the exponent bits, plus ``ceil(8 * (log2(m) - log_lr))`` for
+    the mantissa ``m`` in [1, 2): the count of thresholds below ``m`` less the shift's whole eighths, found in three
+    comparisons. Every bin is exact; a subnormal ratio (below ``2**-126``) counts in bin 0, its bin wherever
+    ``log_lr >= -62``.
 
     Example:
         >>> one = torch.ones(1)
-        >>> code = step_code(one.bool(), one * 0.25, 1, torch.zeros(1, dtype=torch.int32), torch.zeros(()))
+        >>> code = step_code(one.bool(), one * 0.25, 1, torch.zeros(1, dtype=torch.int32), bin_thresholds())
         >>> ((code >> 2) % (BINS + 1)).item() == 8 * (-2 - FIRST_EDGE), (code & 3).item()
         (True, 3)
     """
     rb = ratio.view(torch.int32) & 0x7FFFFFFF
-    octave = (rb >> 23) - (127 + FIRST_EDGE)
-    mantissa = ((rb & 0x7FFFFF) | (127 << 23)).view(torch.float32)
-    shift = log_lr if log_lr.dim() == 0 else log_lr[tensor_id]
-    at = octave * PER_OCTAVE + torch.ceil((torch.log2(mantissa) - shift) * PER_OCTAVE).to(torch.int32)
+    m = ((rb & 0x7FFFFF) | (127 << 23)).view(torch.float32)
+    t = bins if bins.dim() == 1 else bins[tensor_id]
+    # #{j: m > t_j} by a binary search over the sorted t_1..t_7, plus m > t_0
+    upper = m > t[..., 5]
+    half = m > torch.where(upper, t[..., 7], t[..., 3])
+    last = m > torch.where(upper, torch.where(half, t[..., 8], t[..., 6]), torch.where(half, t[..., 4], t[..., 2]))
+    above = (upper.to(torch.int32) * 4 + half.to(torch.int32) * 2 + last.to(torch.int32)
+             + (m > t[..., 1]).to(torch.int32))
+    at = ((rb >> 23) - (127 + FIRST_EDGE)) * PER_OCTAVE + above - t[..., 0].to(torch.int32)
     at = torch.where(rb < (1 << 23), 0, torch.clamp(at, 0, BINS - 1))     # 0 and the subnormals in bin 0
     at = torch.where(rb > _F32.inf_bits, BINS, at)
     return ((tensor_id * (BINS + 1) + at) << 2) | (frozen.to(torch.int32) << 1) | flag
