@@ -13,6 +13,7 @@ import math
 import os
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -25,7 +26,7 @@ BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file
 sys.path.insert(0, BENCHMARKS)
 import bench, bench_report, machine, timing  # noqa: E402  (the benchmark's modules, in benchmarks/)
 from lowprec_demo.rounding import bits as bit_kernels, rule as freeze_rule, kernels
-from lowprec_demo.rounding.rule import BINS, FIRST_EDGE, LAYOUTS, RoundParams, round_params, seed_words
+from lowprec_demo.rounding.rule import BINS, FIRST_EDGE, LAST_EDGE, LAYOUTS, OCTAVES, RoundParams, round_params, seed_words
 from lowprec_demo.optim import packing
 from lowprec_demo.formats import get_format
 from lowprec_demo.optim.optimizer import LowPrecisionOptimizer
@@ -234,6 +235,8 @@ def test_eager_slices_give_the_same_bits(monkeypatch):
     tensor_id = (torch.arange(len(x), dtype=torch.int32) * 3) // len(x)
     log_lr, grad = torch.tensor([-3.0, -7.3, 0.0]), torch.where(torch.arange(len(x)) % 5 == 0, 0.0, 1.0)
     code, moves = bit_kernels.step_code_fp32(x, new, grad, tensor_id, freeze_rule.bin_thresholds(log_lr), fp)
+    zero = torch.zeros((), dtype=torch.int32)
+    octaves, summed = bit_kernels.step_code_fp32(x, new, None, zero, None, fp, moves_sum=True)
     monkeypatch.setattr(kernels, "EAGER_CHUNK", 999)
     previous = kernels.set_mode("off")
     try:
@@ -243,6 +246,13 @@ def test_eager_slices_give_the_same_bits(monkeypatch):
         assert same_bits(y, whole)
         code2, moves2 = kernels.step_code(x, new, grad, tensor_id, log_lr, fmt, rand_bits=2)
         assert torch.equal(code2, code) and same_bits(moves2, moves)
+        octaves2, summed2 = kernels.step_code(x, new, None, zero, None, fmt, rand_bits=2, moves_sum=True, octaves=True)
+        assert octaves2.dtype == torch.uint8 and torch.equal(octaves2, octaves)
+        finite = ~moves.isnan()    # (the samples hold NaN ratios: the sums are NaN; their finite parts agree)
+        assert summed.isnan() and summed2.isnan() and finite.sum() > 4000
+        part = kernels.step_code(x[finite], new[finite], None, zero, None, fmt, rand_bits=2, moves_sum=True,
+                                 octaves=True)[1]
+        assert math.isclose(part.item(), moves[finite].double().sum().item(), rel_tol=1e-12) and part.item() > 0
     finally:
         kernels.set_mode(previous)
 
@@ -325,43 +335,52 @@ def freeze_cases(key):
 @pytest.mark.parametrize("key", list(TR.FREEZE_FORMATS))
 def test_step_code_is_the_freeze_rule(compiled, key):
     """The one kernel of the predictor and the watch, compiled and eagerly: frozen is would_freeze, the move
-    probability move_probability with k random bits, the flag grad != 0 (0 without grad), the tensor its id; the bin
-    of log2(ratio) - log_lr that of float64 (exact here: the shift is given as thresholds, rule.bin_thresholds), and
-    with log_lr 0 in the exact whole octave, which is what the predictor keeps."""
+    probability move_probability with k random bits, the flag grad != 0, the tensor its id; the watch's bin of
+    log2(ratio) - log_lr that of float64 (exact here: the shift is given as thresholds, rule.bin_thresholds), and the
+    predictor's (no shift, no flag) the exact whole octave, in one byte for one tensor."""
     fmt = TR.FREEZE_FORMATS[key]
     old, new = freeze_cases(key)
     stored, update = quantize(old, fmt), new - old
     frozen = would_freeze(stored, update, fmt).to(torch.int32)
     ratio = update_ulp_ratio(stored, update, fmt)
+    octave = exact_bins(ratio, list(range(FIRST_EDGE, LAST_EDGE + 1)))
+    octave = torch.where(octave < 0, OCTAVES, octave)     # (NaN in its own slot)
     n_tensors = 5
     tensor_id = (torch.arange(len(old), dtype=torch.int32) * n_tensors) // len(old)
     grad = torch.where(torch.arange(len(old)) % 7 == 0, 0.0, 1.0)
-    zero = torch.zeros(())
     for k in (None, 1, 3, 8):
         p = freeze_rule.rule_params(fmt, k).tensor()
-        for log_lr, g in ((zero, None), (torch.tensor([-3.0, -7.5, -10.25, 0.0, -60.0]), grad),
+        for log_lr, g in ((None, None), (torch.tensor([-3.0, -7.5, -10.25, 0.0, -60.0]), grad),
                           (torch.tensor(-13.29), grad)):
-            args = (old, new, g, tensor_id, freeze_rule.bin_thresholds(log_lr), p)
-            eager_code, moves = bit_kernels.step_code_fp32(*args)
-            if g is None:   # the predictor's call: the move probabilities' sum in the same pass
-                code, summed = compiled["step_code"](*args, moves_sum=True)
-                assert summed.dtype == torch.float64 and summed.dim() == 0
-                want_sum = moves.double().sum()
-                assert ((want_sum.isnan() and summed.isnan())
-                        or math.isclose(summed.item(), want_sum.item(), rel_tol=1e-12))
-            else:           # the watch's: every element's move probability
-                code, compiled_moves = compiled["step_code"](*args)
-                assert same_bits(compiled_moves, moves)
-            assert torch.equal(code, eager_code)
-            assert torch.equal((code >> 1) & 1, frozen)
-            assert same_bits(moves, move_probability(stored, update, fmt, rand_bits=k))
-            assert torch.equal(code & 1, torch.zeros_like(code) if g is None else (grad != 0).to(torch.int32))
-            assert torch.equal((code >> 2) // (BINS + 1), tensor_id)
-            at = (code >> 2) % (BINS + 1)
-            want = exact_eighths(ratio, log_lr if log_lr.dim() == 0 else log_lr[tensor_id])
-            assert torch.equal(at, want), (k, log_lr, (at != want).sum().item())
-            if log_lr.dim() == 0 and log_lr.item() == 0:
-                assert torch.equal(octave_of(at), exact_bins(ratio))
+            bins = None if log_lr is None else freeze_rule.bin_thresholds(log_lr)
+            ids = [tensor_id, torch.zeros((), dtype=torch.int32)] if g is None else [tensor_id]
+            for tid in ids:
+                args = (old, new, g, tid, bins, p)
+                eager_code, moves = bit_kernels.step_code_fp32(*args)
+                if g is None:   # the predictor's call: the move probabilities' sum in the same pass
+                    code, summed = compiled["step_code"](*args, moves_sum=True)
+                    assert summed.dtype == torch.float64 and summed.dim() == 0
+                    want_sum = moves.double().sum()
+                    assert ((want_sum.isnan() and summed.isnan())
+                            or math.isclose(summed.item(), want_sum.item(), rel_tol=1e-12))
+                else:           # the watch's: every element's move probability
+                    code, compiled_moves = compiled["step_code"](*args)
+                    assert same_bits(compiled_moves, moves)
+                assert torch.equal(code, eager_code)
+                assert same_bits(moves, move_probability(stored, update, fmt, rand_bits=k))
+                if g is None:
+                    assert code.dtype == (torch.uint8 if tid.dim() == 0 else torch.int32)
+                    code = code.to(torch.int32)
+                    assert torch.equal(code & 1, frozen)
+                    assert torch.equal((code >> 1) // (OCTAVES + 1), tid.expand(len(code)))
+                    assert torch.equal((code >> 1) % (OCTAVES + 1), octave), k
+                    continue
+                assert torch.equal((code >> 1) & 1, frozen)
+                assert torch.equal(code & 1, (grad != 0).to(torch.int32))
+                assert torch.equal((code >> 2) // (BINS + 1), tensor_id)
+                at = (code >> 2) % (BINS + 1)
+                want = exact_eighths(ratio, log_lr if log_lr.dim() == 0 else log_lr[tensor_id])
+                assert torch.equal(at, want), (k, log_lr, (at != want).sum().item())
 
 
 def test_the_eighth_bins_are_exact_next_to_every_threshold():
@@ -429,8 +448,8 @@ def test_the_step_kernel_compiles_four_versions_whatever_the_sizes():
             new, grad = old + 1e-3 * torch.randn(n), torch.randn(n)
             ids = (torch.arange(n, dtype=torch.int32) * tensors) // n
             zero = torch.zeros(())
-            step_counts(old, new, fmt, zero.to(torch.int32), 1, zero, moves_sum=True)
-            step_counts(old, new, fmt, ids, tensors, zero, moves_sum=True, rand_bits=3)
+            step_counts(old, new, fmt, zero.to(torch.int32), 1, None, moves_sum=True, octaves=True)
+            step_counts(old, new, fmt, ids, tensors, None, moves_sum=True, rand_bits=3, octaves=True)
             step_counts(old, new, fmt, ids, tensors, torch.tensor(-9.5), grad)
             step_counts(old, new, fmt, ids, tensors, torch.linspace(-20, 0, tensors), grad)
         assert len(entries(bit_kernels.step_code_fp32.__code__)) == 4
@@ -454,24 +473,35 @@ def test_the_ratio_bins_are_those_of_their_edges(edges, mode):
     want = torch.bincount(bins[bins >= 0], minlength=len(edges) + 1).tolist()
     cut = len(old) // 3
     two, old2, new2 = split_pack(old, new, cut)
-    zero = torch.zeros(())
+    zero, ones, every = torch.zeros(()), torch.ones_like(old), torch.zeros(len(old), dtype=torch.int32)
     previous = kernels.set_mode(mode)
     try:
         for k in (None, 3):
-            one = step_counts(old, new, fmt, zero.to(torch.int32), 1, zero, rand_bits=k)[0]
-            several = step_counts(old2, new2, fmt, two.tensor_ids(), 3, zero, rand_bits=k)[0][:2]
-            for counts, frozen_want in ((one, [frozen.sum().item()]),
-                                        (several, [frozen[:cut].sum().item(), frozen[cut:].sum().item()])):
+            # the predictor's whole octaves (one tensor, a pack) and the watch's eighths unshifted (flag set everywhere)
+            one = step_counts(old, new, fmt, zero.to(torch.int32), 1, None, rand_bits=k, moves_sum=True,
+                              octaves=True)[0]
+            several = step_counts(old2, new2, fmt, two.tensor_ids(), 3, None, rand_bits=k, moves_sum=True,
+                                  octaves=True)[0][:2]
+            eighths = step_counts(old, new, fmt, every, 1, zero, ones, rand_bits=k)[0]
+            eighths2 = step_counts(old2, new2, fmt, two.tensor_ids(), 3, zero, torch.ones_like(old2), rand_bits=k)[0][:2]
+            assert one.shape == (1, OCTAVES + 1, 2, 1) and eighths.shape == (1, BINS + 1, 2, 2)
+            for counts, frozen_want in ((one, [frozen.sum().item()]), (eighths, [frozen.sum().item()]),
+                                        (several, [frozen[:cut].sum().item(), frozen[cut:].sum().item()]),
+                                        (eighths2, [frozen[:cut].sum().item(), frozen[cut:].sum().item()])):
                 hist = histograms(counts, nan="drop").sum(0).tolist()
                 assert fold_octaves(hist, edges) == want, (edges[0], k)
+                assert fold_octaves(torch.tensor(hist), edges).tolist() == want
                 assert frozen_per_tensor(counts).tolist() == frozen_want
                 if k is not None:
                     assert fewbit_count(hist, k) == (r <= 2.0 ** -(k + 1)).sum().item()
+                    assert fewbit_count(torch.tensor(hist), k).item() == (r <= 2.0 ** -(k + 1)).sum().item()
     finally:
         kernels.set_mode(previous)
     for bad in ([0, 2, 3], [], list(range(-70, 1)), [125, 126, 127]):
         with pytest.raises(ValueError):
             fold_octaves([0] * BINS, bad)
+    with pytest.raises(ValueError, match="770 eighth-octave or 98 octave bins"):
+        fold_octaves([0] * 99, edges)
 
 
 def test_equal_count_is_torch_eq(compiled):
@@ -636,6 +666,8 @@ def test_optimizer_sr_is_the_same_in_every_mode():
 # fallback and switches
 # ------------------------------------------------------------------------------------------------
 def test_a_failing_compiler_falls_back_to_the_eager_path(monkeypatch):
+    """A compile failure (no compiler, or torch.compile's limit reached by the user's own calls) says so once, in a
+    warning that names the kernel and where to see more; the kernel goes on eagerly with the same bits."""
     def broken(*args, **kwargs):
         raise RuntimeError("no C++ compiler here")
     saved = dict(kernels._KERNELS)
@@ -644,11 +676,15 @@ def test_a_failing_compiler_falls_back_to_the_eager_path(monkeypatch):
     previous = kernels.set_mode("on")
     try:
         x = torch.randn(1000)
-        a = quantize(x, "e5m3", "stochastic", generator=5)
+        with pytest.warns(RuntimeWarning, match=r"compiling the stochastic kernel for cpu failed \(RuntimeError: no "
+                                                r"C\+\+ compiler here\).*kernels\.status\(\)"):
+            a = quantize(x, "e5m3", "stochastic", generator=5)
         status = kernels.status()
         assert "no C++ compiler here" in status["kernels"]["stochastic"]["failed"]["cpu"]
         assert status["kernels"]["stochastic"]["calls"]["eager"] == 1
-        assert torch.equal(a, quantize(x, "e5m3", "stochastic", generator=5))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")     # once: later calls go eagerly without a word
+            assert torch.equal(a, quantize(x, "e5m3", "stochastic", generator=5))
     finally:
         kernels.set_mode(previous)
         kernels._KERNELS.clear()
@@ -896,5 +932,12 @@ def test_cuda_compiled_kernels_match_the_cpu(key):
         p = freeze_rule.rule_params(fmt, 3).tensor()
         want_code, want_moves = bit_kernels.step_code_fp32(old, new, grad, tensor_id, freeze_rule.bin_thresholds(log_lr), p)
         assert torch.equal(code.cpu(), want_code) and same_bits(moves.cpu(), want_moves)   # every bin exactly
+        zero = torch.zeros((), dtype=torch.int32)     # the predictor's: whole octaves, a byte each, the moves summed
+        code, moved = kernels.step_code(old.cuda(), new.cuda(), None, zero.cuda(), None, fmt, 3, moves_sum=True,
+                                        octaves=True)
+        want_code, want_moves = bit_kernels.step_code_fp32(old, new, None, zero, None, p)
+        assert code.dtype == torch.uint8 and torch.equal(code.cpu(), want_code)
+        assert math.isclose(moved.item(), want_moves.double().sum().item(), rel_tol=1e-12)
     finally:
         kernels.set_mode(previous)
+

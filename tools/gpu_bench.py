@@ -51,7 +51,7 @@ def check_bits(device: str, mode: str = "on", n_random: int = 50_000, stride: in
 
     from lowprec_demo.rounding import bits as bit_kernels, kernels
     from lowprec_demo.formats import get_format
-    from lowprec_demo.rounding.rule import bin_thresholds, round_params, rule_params
+    from lowprec_demo.rounding.rule import round_params, rule_params
     from lowprec_demo.rounding.core import quantize
 
     def exact_nearest(x, fmt, policy):   # float64 on the CPU: the package's exact route
@@ -103,14 +103,15 @@ def check_bits(device: str, mode: str = "on", n_random: int = 50_000, stride: in
                                                               bit_kernels.round_stochastic(rnd, p))
             old = rnd.nan_to_num(0.0, 0.0, 0.0)
             new = (old * (1 + 2.0**-9) + 1e-7).nan_to_num(0.0, 0.0, 0.0)
-            zero = torch.zeros((), device=device)
-            code, moves = kernels.step_code(old.to(device), new.to(device), None, zero.to(torch.int32), zero, fmt, 3)
+            zero = torch.zeros((), dtype=torch.int32, device=device)
+            # the predictor's call: whole octaves in a byte per element, the move probabilities summed in the same pass
+            code, moved = kernels.step_code(old.to(device), new.to(device), None, zero, None, fmt, 3, moves_sum=True,
+                                            octaves=True)
             p = rule_params(fmt, 3).tensor()
-            want_code, want_moves = bit_kernels.step_code_fp32(old, new, None, zero.cpu().to(torch.int32),
-                                                                 bin_thresholds(), p)
-            # every code exactly: the frozen bit, and the bin by comparisons with the same thresholds
+            want_code, want_moves = bit_kernels.step_code_fp32(old, new, None, zero.cpu(), None, p)
+            # every code exactly: the frozen bit and the octave
             row["step_code"] = int((code.cpu() != want_code).sum())
-            moved, want_moved = moves.double().sum(), want_moves.double().sum()
+            want_moved = want_moves.double().sum()
             row["moved_relative_error"] = abs(moved.item() - want_moved.item()) / max(1e-300, abs(want_moved.item()))
             out[key] = row
         # quantize end to end, as users call it (nearest float8 takes the fused kernel on the GPU)

@@ -30,7 +30,7 @@ from lowprec_demo.freeze.counts import fewbit_count, fold_octaves, frozen_per_te
 from lowprec_demo.freeze.records import RATIO_BINS, FreezeRecord, freeze_order, freeze_step, steps_agree
 from lowprec_demo.optim.packing import Pack, copy_into, packs
 from lowprec_demo.rounding import kernels
-from lowprec_demo.rounding.rule import BINS
+from lowprec_demo.rounding.rule import OCTAVES
 from lowprec_demo.rounding.core import quantize, update_ulp_ratio, would_freeze
 
 __all__ = ["FreezeRecord", "StepTracker", "FreezePredictor", "FreezeObserver", "freeze_step", "freeze_order",
@@ -310,13 +310,13 @@ class FreezePredictor(StepTracker):
         sizes = [n for pack, _, _, _ in packed for n in pack.sizes]
         parts = []
         for fmt in self.formats:
-            hist = torch.zeros(BINS, dtype=torch.int64, device=device)
+            hist = torch.zeros(OCTAVES, dtype=torch.int64, device=device)
             moved = torch.zeros((), dtype=torch.float64, device=device)
             for pack, _, old, now in packed:
                 k = len(pack.sizes)   # (a pack's gaps: one more tensor index, left out)
                 ids, n = (pack.tensor_ids(), k + 1) if pack.several else (zero_id, 1)
                 counts, moves = step_counts(old, pack.flat(now), fmt, ids, n, None, rand_bits=self.rand_bits,
-                                            moves_sum=True)
+                                            moves_sum=True, octaves=True)
                 parts.append(frozen_per_tensor(counts[:k]).double())
                 hist = hist + histograms(counts[:k].sum(0, keepdim=True), nan="drop")[0]
                 moved = moved + moves
@@ -330,21 +330,21 @@ class FreezePredictor(StepTracker):
         zero_id = torch.zeros((), dtype=torch.int32, device=device)
         parts = []
         for fmt in self.formats:
-            hist = torch.zeros(BINS, dtype=torch.int64, device=device)
+            hist = torch.zeros(OCTAVES, dtype=torch.int64, device=device)
             moved = torch.zeros((), dtype=torch.float64, device=device)
             for _, old, new in pairs:
                 counts, moved_here = step_counts(old.reshape(-1), new.reshape(-1), fmt, zero_id.to(old.device), 1, None,
-                                                 rand_bits=self.rand_bits, moves_sum=True)
+                                                 rand_bits=self.rand_bits, moves_sum=True, octaves=True)
                 parts.append(frozen_per_tensor(counts).double().to(device))
                 hist = hist + histograms(counts, nan="drop").sum(0).to(device)
                 moved = moved + moved_here.to(device)
             parts += self._summary(hist, moved)
-        self._add_all(torch.cat(parts).tolist() if parts else [], [n for n, _, _ in pairs],
+        self._add_all(torch.cat(parts).tolist(), [n for n, _, _ in pairs],
                       [old.numel() for _, old, _ in pairs])
 
     def _summary(self, hist: torch.Tensor, moved: torch.Tensor) -> List[torch.Tensor]:
-        """A format's step on the device: its eighth-octave histogram folded into whole octaves (:data:`RATIO_BINS`),
-        the move sum and, for few-bit SR, the count that never moves (float64, to go in one transfer)."""
+        """A format's step on the device: its whole-octave histogram folded into :data:`RATIO_BINS`, the move sum
+        and, for few-bit SR, the count that never moves (float64, to go in one transfer)."""
         fewbit = fewbit_count(hist, self.rand_bits).reshape(1) if self.rand_bits is not None else hist[:0]
         return [fold_octaves(hist, RATIO_BINS).double(), moved.reshape(1), fewbit.double()]
 

@@ -16,7 +16,7 @@ from typing import Dict, Iterable, List, Optional, Sequence
 __all__ = ["FreezeRecord", "freeze_step", "freeze_order", "steps_agree", "RATIO_BINS"]
 
 # the predictor's histogram of log2(|d| / gap): whole octaves, edges -24, -23, ..., +8 (values outside go to the end
-# bins), folded from the one binning's eighths (:func:`lowprec_demo.freeze.counts.fold_octaves`)
+# bins), folded from the one binning in whole octaves (:func:`lowprec_demo.freeze.counts.fold_octaves`)
 RATIO_BINS = list(range(-24, 9))
 
 

@@ -263,12 +263,13 @@ def freeze_detail_fp32(old: torch.Tensor, new: torch.Tensor, p: torch.Tensor, in
     return freeze_elements(wu, ob, new - old, q, _F32, infinite_gap=infinite_gap, one_factor=one_factor)
 
 
-def step_code_fp32(old: torch.Tensor, new: torch.Tensor, grad: Optional[torch.Tensor], tensor_id, bins: torch.Tensor,
-                   p: torch.Tensor, moves_sum: bool = False, infinite_gap: bool = True, one_factor: bool = False):
+def step_code_fp32(old: torch.Tensor, new: torch.Tensor, grad: Optional[torch.Tensor], tensor_id,
+                   bins: Optional[torch.Tensor], p: torch.Tensor, moves_sum: bool = False, infinite_gap: bool = True,
+                   one_factor: bool = False):
     """One pass of the rule over the update ``new - old`` at ``q(old)`` of flat float32 tensors: the codes of
-    ``rule.step_code`` (int32; the flag ``grad != 0``, or 0 without ``grad``; the bins shifted by ``bins``, from
-    ``rule.bin_thresholds``) and every element's move probability (float32, ``rule.move_share`` with the random bits
-    of ``p``), or with ``moves_sum`` their float64 sum (0-dim)."""
+    ``rule.step_code`` (the flag ``grad != 0``, or 0 without ``grad``; the bins shifted by ``bins``, from
+    ``rule.bin_thresholds``, or whole octaves for None) and every element's move probability (float32,
+    ``rule.move_share`` with the random bits of ``p``), or with ``moves_sum`` their float64 sum (0-dim)."""
     frozen, ratio, stuck = freeze_detail_fp32(old, new, p, infinite_gap, one_factor)
     flag = 0 if grad is None else (grad != 0).to(torch.int32)
     moves = move_share(ratio, stuck, RuleParams.read(p).rand_bits)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import os
 import time
+import warnings
 from typing import Callable, Dict, Optional
 
 import torch
@@ -128,6 +129,9 @@ class _Kernel:
                 lines = str(error).strip().splitlines()
                 self.failed[device] = f"{type(error).__name__}: {lines[0][:300] if lines else ''}"
                 self.compiled.pop(device, None)
+                warnings.warn(f"compiling the {self.name} kernel for {device} failed ({self.failed[device]}); it runs "
+                              "eagerly from now on in this process, with the same bits, only slower "
+                              "(lowprec_demo.rounding.kernels.status() shows what failed)", RuntimeWarning, stacklevel=3)
         self.eager_numel[variant] = self.eager_numel.get(variant, 0) + n
         self.calls["eager"] += 1
         return _sliced(self.fn, args, self.advance, options) if eager is None else eager()
@@ -256,13 +260,17 @@ def changed_blocks(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def step_code(old: torch.Tensor, new: torch.Tensor, grad: Optional[torch.Tensor], tensor_id: torch.Tensor,
-              log_lr: Optional[torch.Tensor], fmt: FloatFormat, rand_bits: Optional[int] = None, moves_sum: bool = False):
+              log_lr: Optional[torch.Tensor], fmt: FloatFormat, rand_bits: Optional[int] = None, moves_sum: bool = False,
+              octaves: bool = False):
     """The codes (``rule.step_code``) and move probabilities (resolved to ``rand_bits``, None: full; with
     ``moves_sum`` their float64 sum) of the update ``new - old`` at ``q(old)`` of flat float32 tensors
     (:func:`lowprec_demo.rounding.bits.step_code_fp32`); ``grad`` the gradients or None (no flag), ``tensor_id`` int32
-    per element or 0-dim, ``log_lr`` float32 per tensor, 0-dim (one for all) or None (no shift)."""
+    per element or 0-dim, ``log_lr`` float32 per tensor, 0-dim (one for all) or None (no shift); ``octaves``: whole
+    octaves, no shift and no flag."""
     p = _cached_params("freeze", fmt, None, rand_bits, old.device)
-    bins = bin_thresholds(log_lr, old.device)
+    if octaves and (grad is not None or log_lr is not None):
+        raise ValueError("whole-octave codes take neither a gradient flag nor a learning-rate shift")
+    bins = None if octaves else bin_thresholds(log_lr, old.device)
     return _KERNELS["step_code"](old, new, grad, tensor_id, bins, p, moves_sum=moves_sum)
 
 
@@ -287,8 +295,8 @@ def compile_all(device="cpu") -> dict:
         ids = torch.arange(4096, dtype=torch.int32, device=device) % 2
         # the four variants: the predictor's (one tensor, or a pack of several), the watch's (one learning rate, or
         # one per tensor: two or more, as step_code passes them)
-        step_code(x, x + 1e-3, None, zero.to(torch.int32), zero, fmt, moves_sum=True)
-        step_code(x, x + 1e-3, None, ids, zero, fmt, moves_sum=True)
+        step_code(x, x + 1e-3, None, zero.to(torch.int32), None, fmt, moves_sum=True, octaves=True)
+        step_code(x, x + 1e-3, None, ids, None, fmt, moves_sum=True, octaves=True)
         grad = torch.randn_like(x)     # (not x itself: an argument passed twice compiles a version of its own)
         step_code(x, x + 1e-3, grad, ids, zero, fmt)
         step_code(x, x + 1e-3, grad, ids, torch.zeros(2, device=device), fmt)

@@ -33,14 +33,16 @@ import torch
 
 from lowprec_demo.formats import FloatFormat
 
-__all__ = ["BitLayout", "LAYOUTS", "FIRST_EDGE", "LAST_EDGE", "PER_OCTAVE", "BINS", "RoundParams", "RuleParams",
+__all__ = ["BitLayout", "LAYOUTS", "FIRST_EDGE", "LAST_EDGE", "PER_OCTAVE", "BINS", "OCTAVES", "RoundParams", "RuleParams",
            "round_params", "rule_params", "seed_words", "freeze_elements", "gap_exponent", "gap_value", "move_share",
            "bin_thresholds", "step_code", "gap_options"]
 
 # the one binning of log2(|d| / gap) (less log2(lr) where the watch divides by the learning rate): eighths of an
-# octave from 2**-64 to 2**32, a bin below and one above; a NaN ratio takes one more slot (BINS) of its own
+# octave from 2**-64 to 2**32, a bin below and one above; a NaN ratio takes one more slot (BINS) of its own. The same
+# bins in whole octaves (OCTAVES of them, the predictor's: eight eighths each) are those of ``ceil(log2 ratio)``
 FIRST_EDGE, LAST_EDGE, PER_OCTAVE = -64, 32, 8
 BINS = (LAST_EDGE - FIRST_EDGE) * PER_OCTAVE + 2
+OCTAVES = LAST_EDGE - FIRST_EDGE + 2
 FULL_RAND_BITS = 32           # stochastic rounding at full resolution: the 32 bits of one hash
 
 
@@ -261,38 +263,50 @@ def bin_thresholds(log_lr: Optional[torch.Tensor] = None, device=None) -> torch.
 _UNSHIFTED: Dict[str, torch.Tensor] = {}
 
 
-def step_code(frozen: torch.Tensor, ratio: torch.Tensor, flag, tensor_id, bins: torch.Tensor) -> torch.Tensor:
-    """The code of every element for one ``bincount`` of a step (int32):
-    ``((tensor_id * (BINS + 1) + at) << 2) | frozen << 1 | flag``, with ``at`` the bin of
-    ``y = log2(ratio) - log_lr[tensor_id]`` among :data:`BINS` bins an eighth of an octave wide from :data:`FIRST_EDGE`
-    (bin 0 up to it, ratio 0 included; the last above :data:`LAST_EDGE`, inf included; NaN in slot ``BINS``), the shift
-    by ``log_lr`` given as :func:`bin_thresholds` (one row for all, or a row per tensor). ``flag`` (0/1 int32, or 0)
-    is the watch's gradient flag.
+def step_code(frozen: torch.Tensor, ratio: torch.Tensor, flag, tensor_id, bins: Optional[torch.Tensor]) -> torch.Tensor:
+    """The code of every element for one ``bincount`` of a step: ``((tensor_id * (BINS + 1) + at) << 2) | frozen << 1
+    | flag`` (int32), with ``at`` the bin of ``y = log2(ratio) - log_lr[tensor_id]`` among :data:`BINS` bins an
+    eighth of an octave wide from :data:`FIRST_EDGE` (bin 0 up to it, ratio 0 included; the last above
+    :data:`LAST_EDGE`, inf included; NaN in slot ``BINS``), the shift by ``log_lr`` given as :func:`bin_thresholds` (one
+    row for all, or a row per tensor). ``flag`` (0/1 int32, or 0) is the watch's gradient flag.
 
     ``ceil(8 y)`` is ``8 * floor(log2 ratio)``, exact from the exponent bits, plus ``ceil(8 * (log2(m) - log_lr))`` for
     the mantissa ``m`` in [1, 2): the count of thresholds below ``m`` less the shift's whole eighths, found in three
     comparisons. Every bin is exact; a subnormal ratio (below ``2**-126``) counts in bin 0, its bin wherever
     ``log_lr >= -62``.
 
+    ``bins=None`` gives the same bins in whole octaves, unshifted, with no flag: ``((tensor_id * (OCTAVES + 1) + at)
+    << 1) | frozen``, ``at`` the slot of ``ceil(log2 ratio)`` (``OCTAVES`` for NaN), the eight eighth-octave bins of
+    each octave in one; one byte (uint8) for a 0-dim ``tensor_id``, else int32.
+
     Example:
         >>> one = torch.ones(1)
         >>> code = step_code(one.bool(), one * 0.25, 1, torch.zeros(1, dtype=torch.int32), bin_thresholds())
         >>> ((code >> 2) % (BINS + 1)).item() == 8 * (-2 - FIRST_EDGE), (code & 3).item()
         (True, 3)
+        >>> code = step_code(one.bool(), one * 0.25, 0, torch.zeros((), dtype=torch.int32), None)
+        >>> (code >> 1).item() == -2 - FIRST_EDGE, (code & 1).item(), code.dtype
+        (True, 1, torch.uint8)
     """
     rb = ratio.view(torch.int32) & 0x7FFFFFFF
-    m = ((rb & 0x7FFFFF) | (127 << 23)).view(torch.float32)
-    t = bins if bins.dim() == 1 else bins[tensor_id]
-    # #{j: m > t_j} by a binary search over the sorted t_1..t_7, plus m > t_0
-    upper = m > t[..., 5]
-    half = m > torch.where(upper, t[..., 7], t[..., 3])
-    last = m > torch.where(upper, torch.where(half, t[..., 8], t[..., 6]), torch.where(half, t[..., 4], t[..., 2]))
-    above = (upper.to(torch.int32) * 4 + half.to(torch.int32) * 2 + last.to(torch.int32)
-             + (m > t[..., 1]).to(torch.int32))
-    at = ((rb >> 23) - (127 + FIRST_EDGE)) * PER_OCTAVE + above - t[..., 0].to(torch.int32)
-    at = torch.where(rb < (1 << 23), 0, torch.clamp(at, 0, BINS - 1))     # 0 and the subnormals in bin 0
-    at = torch.where(rb > _F32.inf_bits, BINS, at)
-    return ((tensor_id * (BINS + 1) + at) << 2) | (frozen.to(torch.int32) << 1) | flag
+    if bins is None:   # ceil(log2 ratio): the exponent, one more for a mantissa above 1
+        at = (rb >> 23) - (127 + FIRST_EDGE) + ((rb & 0x7FFFFF) != 0).to(torch.int32)
+        slots, low, limit = OCTAVES, frozen.to(torch.int32), OCTAVES - 1
+    else:
+        m = ((rb & 0x7FFFFF) | (127 << 23)).view(torch.float32)
+        t = bins if bins.dim() == 1 else bins[tensor_id]
+        # #{j: m > t_j} by a binary search over the sorted t_1..t_7, plus m > t_0
+        upper = m > t[..., 5]
+        half = m > torch.where(upper, t[..., 7], t[..., 3])
+        last = m > torch.where(upper, torch.where(half, t[..., 8], t[..., 6]), torch.where(half, t[..., 4], t[..., 2]))
+        above = (upper.to(torch.int32) * 4 + half.to(torch.int32) * 2 + last.to(torch.int32)
+                 + (m > t[..., 1]).to(torch.int32))
+        at = ((rb >> 23) - (127 + FIRST_EDGE)) * PER_OCTAVE + above - t[..., 0].to(torch.int32)
+        slots, low, limit = BINS, (frozen.to(torch.int32) << 1) | flag, BINS - 1
+    at = torch.where(rb < (1 << 23), 0, torch.clamp(at, 0, limit))     # 0 and the subnormals in bin 0
+    at = torch.where(rb > _F32.inf_bits, slots, at)
+    code = ((tensor_id * (slots + 1) + at) << (1 if bins is None else 2)) | low
+    return code.to(torch.uint8) if bins is None and tensor_id.dim() == 0 else code
 
 
 def gap_options(fmt: FloatFormat) -> dict:
