@@ -16,6 +16,7 @@ warnings on every call, so what a test sees does not depend on what loaded them 
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -61,3 +62,61 @@ def process_state_is_left_as_found(request):
         _restore(before)
         details = "; ".join(f"{key}: {before[key]!r} -> {after[key]!r}" for key in changed)
         pytest.fail(f"{request.node.nodeid} left process-wide state changed: {details}", pytrace=False)
+
+
+@pytest.fixture
+def lightning():
+    """Lightning (``lightning.pytorch``, else ``pytorch_lightning``), or the test skips:
+    ``.module(net, loss, optimizers)`` a LightningModule around ``net`` (``loss(net, x)`` on each batch
+    ``(x,)``; ``optimizers(parameters)`` returns what ``configure_optimizers`` returns), and
+    ``.trainer(max_steps, callback, **options)`` a CPU Trainer without logger, checkpoints or bars, and
+    ``.stepwise(optimizer, scheduler)`` what ``configure_optimizers`` returns for a scheduler stepped every batch."""
+    try:
+        import lightning.pytorch as pl
+    except ImportError:
+        pl = pytest.importorskip("pytorch_lightning", reason="Lightning is not installed: pip install pytorch-lightning")
+
+    def module(net, loss, optimizers):
+        class Module(pl.LightningModule):
+            def __init__(self):
+                super().__init__()
+                self.net = net
+
+            def training_step(self, batch, batch_idx):
+                return loss(self.net, batch[0])
+
+            def configure_optimizers(self):
+                return optimizers(self.parameters())
+
+        return Module()
+
+    def trainer(max_steps, callback, **options):
+        return pl.Trainer(max_steps=max_steps, accelerator="cpu", logger=False, enable_checkpointing=False,
+                          enable_progress_bar=False, enable_model_summary=False, callbacks=[callback], **options)
+
+    def stepwise(optimizer, scheduler):
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    return SimpleNamespace(module=module, trainer=trainer, stepwise=stepwise)
+
+
+# Tests that skip because an optional library is missing ("... is not installed", the reason every
+# such skip gives). With LOWPREC_LIBRARY_SKIPS=FILE their ids are written to FILE, one a line, so
+# that CI runs exactly those once more after installing the optional libraries.
+LIBRARY_SKIP_REASON = "is not installed"
+_library_skips: list[str] = []
+
+
+def pytest_runtest_logreport(report):
+    if report.skipped and LIBRARY_SKIP_REASON in str(report.longrepr):
+        _library_skips.append(report.nodeid)
+
+
+pytest_collectreport = pytest_runtest_logreport   # a whole module skipped at import
+
+
+def pytest_sessionfinish(session):
+    path = os.environ.get("LOWPREC_LIBRARY_SKIPS")
+    if path and not hasattr(session.config, "workerinput"):   # the controller, or a run without workers
+        with open(path, "w", encoding="utf-8") as f:
+            f.writelines(f"{nodeid}\n" for nodeid in sorted(set(_library_skips)))

@@ -127,53 +127,32 @@ def _plan_applied(callback, plan, named):
     assert b["held"] == pytest.approx(b["total"] + counters / count) and b["total"] > 6.0     # (Adam's step counters)
 
 
-def _lightning():
-    try:
-        import lightning.pytorch as pl
-    except ImportError:
-        pl = pytest.importorskip("pytorch_lightning",
-                                 reason="Lightning is not installed: pip install pytorch-lightning")
-    return pl
-
-
-def _lightning_run(callback, steps=16):
-    pl = _lightning()
+def _lightning_run(lightning, callback, steps=16):
     from lowprec_demo.book.models import GPT, gpt_config
 
-    class Module(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            config = gpt_config("nanogpt-quick", vocab_size=40, n_layer=1, n_head=2, n_embd=16, block_size=16)
-            self.net = GPT(config, generator=torch.Generator().manual_seed(0))
+    def adamw(parameters):
+        opt = torch.optim.AdamW(parameters, lr=1e-4)
+        cosine = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * s / steps)))
+        return lightning.stepwise(opt, cosine)
 
-        def training_step(self, batch, batch_idx):
-            (ids,) = batch
-            return self.net(ids[:, :-1], ids[:, 1:])[1]
-
-        def configure_optimizers(self):
-            opt = torch.optim.AdamW(self.parameters(), lr=1e-4)
-            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * s / steps)))
-            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
-
+    config = gpt_config("nanogpt-quick", vocab_size=40, n_layer=1, n_head=2, n_embd=16, block_size=16)
+    module = lightning.module(GPT(config, generator=torch.Generator().manual_seed(0)),
+                              lambda net, ids: net(ids[:, :-1], ids[:, 1:])[1], adamw)
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(
         torch.randint(0, 40, (128, 17), generator=torch.Generator().manual_seed(0))), batch_size=8)
-    module = Module()
-    pl.Trainer(precision="bf16-true", accelerator="cpu", max_steps=steps, logger=False, enable_checkpointing=False,
-               enable_progress_bar=False, enable_model_summary=False, callbacks=[callback]).fit(module, data)
+    lightning.trainer(steps, callback, precision="bf16-true").fit(module, data)
     return module
 
 
-def test_lightning_bf16_true_watch_sees_bf16_weights_freeze(tmp_path):
-    _lightning()
+def test_lightning_bf16_true_watch_sees_bf16_weights_freeze(tmp_path, lightning):
     callback = lp.monitor.lightning_callback(path=tmp_path / "watch.json")
-    module = _lightning_run(callback)
+    module = _lightning_run(lightning, callback)
     _sees_bf16_freezing(callback.watch, module)
 
 
-def test_lightning_bf16_true_plans_after_k_steps(tmp_path):
-    _lightning()
+def test_lightning_bf16_true_plans_after_k_steps(tmp_path, lightning):
     callback = lp.monitor.lightning_callback(path=tmp_path / "watch.json", plan_after=6)
-    module = _lightning_run(callback)
+    module = _lightning_run(lightning, callback)
     plan = callback.plan
     assert plan is not None and plan.format == "bf16" and plan.step == 5
     assert plan.bytes_per_parameter()["extra"] <= 1.0 + 1e-9

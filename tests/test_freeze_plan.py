@@ -348,33 +348,18 @@ def test_hugging_face_callback_plans_after_k_steps(tmp_path):
     assert all(callback.plan_optimizer.remedy_of(named[n]) == r for n, r in plan.remedies.items())
 
 
-def test_lightning_callback_plans_after_k_steps(tmp_path):
-    try:
-        import lightning.pytorch as pl
-    except ImportError:
-        pl = pytest.importorskip("pytorch_lightning", reason="Lightning is not installed: pip install pytorch-lightning")
+def test_lightning_callback_plans_after_k_steps(tmp_path, lightning):
     from lowprec_demo.monitor.integrations import lightning_callback
 
-    class Module(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.net = _Three()
-
-        def training_step(self, batch, batch_idx):
-            (x,) = batch
-            return (self.net(x) - x[:, :4]).pow(2).mean()
-
-        def configure_optimizers(self):
-            opt = torch.optim.AdamW(self.parameters(), lr=1e-3)
-            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 - s / 16)
-            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+    def adamw(parameters):
+        opt = torch.optim.AdamW(parameters, lr=1e-3)
+        return lightning.stepwise(opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 - s / 16))
 
     torch.manual_seed(0)
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(128, 8)), batch_size=8)
     callback = lightning_callback(path=tmp_path / "watch.json", plan_after=12, plan_budget=0.5)
-    module = Module()
-    pl.Trainer(max_steps=16, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-               enable_model_summary=False, callbacks=[callback]).fit(module, data)
+    module = lightning.module(_Three(), lambda net, x: (net(x) - x[:, :4]).pow(2).mean(), adamw)
+    lightning.trainer(16, callback).fit(module, data)
     plan = callback.plan
     assert plan is not None and plan.step == 11 and plan.budget == 0.5
     assert plan.bytes_per_parameter()["extra"] <= 0.5 + 1e-9

@@ -9,6 +9,10 @@ import torch
 import lowprec_demo as lp
 from lowprec_demo.optim.optimizer import LowPrecisionOptimizer, select_params
 
+# CI runs these once more at torch's default thread count: the optimizer's packed steps and torch's
+# foreach kernels split their work by thread.
+pytestmark = pytest.mark.threads
+
 
 def on_grid(t, fmt):
     return torch.equal(lp.quantize(t, fmt), t)

@@ -10,6 +10,10 @@ from lowprec_demo.monitor.integrations import attach_plan
 from lowprec_demo.optim import FreezePlan, LowPrecisionOptimizer, bytes_per_parameter
 from lowprec_demo.optim import storage
 
+# CI runs these once more at torch's default thread count: parameters really stored in bf16/fp16:
+# torch's own low-precision kernels, whose element paths depend on the thread count.
+pytestmark = pytest.mark.threads
+
 REMEDIES = {"nearest": {}, "stochastic": {"rounding": "stochastic", "generator": 7},
             "kahan": {"compensation": "kahan"}, "kahan_lp": {"compensation": "kahan", "compensation_format": "bf16"},
             "master": {"master_weights": True}, "remainder": {"compensation": "remainder"},

@@ -433,32 +433,18 @@ def test_hugging_face_trainer_callback(tmp_path, capsys):
     assert w.lrs[-1][0] < w.lrs[1][0]
 
 
-def test_lightning_callback(tmp_path):
-    try:
-        import lightning.pytorch as pl
-    except ImportError:
-        pl = pytest.importorskip("pytorch_lightning", reason="Lightning is not installed: pip install pytorch-lightning")
+def test_lightning_callback(tmp_path, lightning):
     from lowprec_demo.monitor.integrations import lightning_callback
 
-    class Module(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.net = tiny_model()
-
-        def training_step(self, batch, batch_idx):
-            (x,) = batch
-            return torch.nn.functional.cross_entropy(self.net(x), (x + 1) % 12)
-
-        def configure_optimizers(self):
-            opt = torch.optim.AdamW(self.parameters(), lr=1e-3)
-            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 - s / 8)
-            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+    def adamw(parameters):
+        opt = torch.optim.AdamW(parameters, lr=1e-3)
+        return lightning.stepwise(opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 - s / 8))
 
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randint(0, 12, (64,))), batch_size=8)
     callback = lightning_callback(path=tmp_path / "watch.json")
-    trainer = pl.Trainer(max_steps=8, accelerator="cpu", logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[callback])
-    trainer.fit(Module(), data)
+    module = lightning.module(tiny_model(), lambda net, x: torch.nn.functional.cross_entropy(net(x), (x + 1) % 12),
+                              adamw)
+    lightning.trainer(8, callback).fit(module, data)
     w = callback.watch
     assert w.steps == list(range(8)) and w.total_steps == 8
     assert any(n.startswith("net.") for n in w.tracked)

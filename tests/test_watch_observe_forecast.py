@@ -257,36 +257,18 @@ def test_hf_plan_after_on_a_bf16_model_refuses_a_format_it_is_not_stored_in(tmp_
     assert trainer.state.global_step == 0
 
 
-def _lightning_module(optimizer):
-    try:
-        import lightning.pytorch as pl
-    except ImportError:
-        pl = pytest.importorskip("pytorch_lightning", reason="Lightning is not installed: pip install pytorch-lightning")
-
-    class Module(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.net = pretrained().to(torch.bfloat16)
-
-        def training_step(self, batch, batch_idx):
-            (x,) = batch
-            return torch.nn.functional.cross_entropy(self.net(x).float(), (3 * x + 1) % VOCAB)
-
-        def configure_optimizers(self):
-            opt = optimizer(self.parameters(), lr=1e-4)
-            sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=12)
-            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
-
-    return pl, Module()
-
-
-def test_lightning_plan_after_plans_a_bf16_model(tmp_path):
-    pl, module = _lightning_module(torch.optim.AdamW)
+def test_lightning_plan_after_plans_a_bf16_model(tmp_path, lightning):
     from lowprec_demo.monitor.integrations import lightning_callback
+
+    def adamw(parameters):
+        opt = torch.optim.AdamW(parameters, lr=1e-4)
+        return lightning.stepwise(opt, torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=12))
+
+    module = lightning.module(pretrained().to(torch.bfloat16),
+                              lambda net, x: torch.nn.functional.cross_entropy(net(x).float(), (3 * x + 1) % VOCAB), adamw)
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randint(0, VOCAB, (256,))), batch_size=16)
     callback = lightning_callback(path=tmp_path / "watch.json", plan_after=6)
-    pl.Trainer(max_steps=12, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-               enable_model_summary=False, callbacks=[callback]).fit(module, data)
+    lightning.trainer(12, callback).fit(module, data)
     assert callback.plan is not None and callback.plan.format == "bf16" and callback.plan.step == 5
     assert load_plan(tmp_path / "freeze_plan.json") == callback.plan
     assert all(p.dtype == torch.bfloat16 for p in module.parameters())

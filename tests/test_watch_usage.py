@@ -92,31 +92,18 @@ def test_hf_plan_after_on_bf16_weights_under_an_unread_optimizer_fails_before_th
     assert trainer.state.global_step == 0
 
 
-def test_lightning_plan_after_on_bf16_weights_under_an_unread_optimizer_fails_before_the_first_step(tmp_path):
-    try:
-        import lightning.pytorch as pl
-    except ImportError:
-        pl = pytest.importorskip("pytorch_lightning", reason="Lightning is not installed: pip install pytorch-lightning")
+def test_lightning_plan_after_on_bf16_weights_under_an_unread_optimizer_fails_before_the_first_step(tmp_path,
+                                                                                                     lightning):
     from lowprec_demo.monitor.integrations import lightning_callback
 
-    class Module(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.net = tiny_model().to(torch.bfloat16)
-
-        def training_step(self, batch, batch_idx):
-            (x,) = batch
-            return torch.nn.functional.cross_entropy(self.net(x).float(), (x + 1) % 12)
-
-        def configure_optimizers(self):
-            return torch.optim.Adagrad(self.parameters(), lr=1e-3)
-
+    module = lightning.module(tiny_model().to(torch.bfloat16),
+                              lambda net, x: torch.nn.functional.cross_entropy(net(x).float(), (x + 1) % 12),
+                              lambda parameters: torch.optim.Adagrad(parameters, lr=1e-3))
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randint(0, 12, (64,))), batch_size=8)
     callback = lightning_callback(path=tmp_path / "watch.json", plan_after=4)
-    trainer = pl.Trainer(max_steps=8, accelerator="cpu", logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[callback])
+    trainer = lightning.trainer(8, callback)
     with pytest.raises(ValueError, match=r"plan_after=4.*Adagrad"):
-        trainer.fit(Module(), data)
+        trainer.fit(module, data)
     assert trainer.global_step == 0 and callback.watch.steps == []
 
 

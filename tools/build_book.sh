@@ -6,7 +6,7 @@
 #   ./tools/build_book.sh --warningiserror --keep-going    # other options go to jupyter-book build
 #
 # The stored outputs are made by `python tools/stored_outputs.py execute`; `tools/run_tests.sh`
-# fails when they are not current, and nbval compares the checked cells with them. With --execute,
+# executes every chapter with nbval and compares every output with them. With --execute,
 # Jupyter Book runs the chapters itself (execute_notebooks: cache, for this build: a later --execute
 # build re-runs only the chapters whose code changed), and the page shows what this machine computed.
 # A plain `jupyter-book build .` builds from the stored outputs too (_config.yml: execute_notebooks: off).

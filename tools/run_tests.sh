@@ -1,21 +1,25 @@
 #!/usr/bin/env bash
-# Run every test: the stored chapter outputs are current, the test suite under tests/, then every
-# chapter notebook with nbval.
+# Run the tests and verify the chapters.
 #
-#   ./tools/run_tests.sh [extra pytest arguments for the test suite]
+#   ./tools/run_tests.sh                              # everything
+#   ./tools/run_tests.sh book/02_freeze_rule.ipynb    # verify that chapter alone
+#   ./tools/run_tests.sh tests/test_rounding.py       # that test file (-k, -x ... go to pytest)
+#   ./tools/run_tests.sh $(python tools/stored_outputs.py changed --paths) tests/test_rounding.py
+#
+# Everything is: the stored outputs well formed (tools/stored_outputs.py check), the test suite
+# under tests/ in a random order (its seed printed; LOWPREC_TEST_SEED=N repeats one), then every
+# chapter executed by nbval in its full mode, which compares every output a reader sees with the
+# stored one (book/conftest.py: text, tables and glued values, numbers at a relative tolerance of
+# 1e-6, timings masked, each figure drawn). A chapter that reads Tiny Shakespeare is compared only
+# where the real text is at hand (LOWPREC_DATA_DIR, the cache or a download); on the offline fallback
+# its cells still run and its checks still hold, and the summary says it was not compared.
 #
 # Uses .venv when it exists and no virtual environment is active. Chapters run at LOWPREC_SCALE
-# (default quick), on OMP_NUM_THREADS threads (default 1: the chapters' tensors are small, and on a
-# 2-core machine two threads that wait on each other make them several times slower). nbval runs
-# in lax mode: a cell fails if it raises, or if it is marked `# NBVAL_CHECK_OUTPUT` and its output
-# differs from the one stored in the notebook. With pytest-xdist installed (requirements.txt), the
-# test suite and the chapters run on LOWPREC_TEST_WORKERS processes (default: the CPU count, at
-# most 4), a chapter's cells always in one process, in order.
-#
-# The test suite runs in file order; with LOWPREC_TEST_SEED set it runs in the random order of
-# that seed instead (pytest-randomly, in requirements.txt: `LOWPREC_TEST_SEED=123 ./tools/run_tests.sh`
-# reproduces the order a run printed as "Using --randomly-seed=123"). The chapters always run in
-# order.
+# (default quick) on OMP_NUM_THREADS threads (default 1, as their outputs were stored). With
+# pytest-xdist (requirements.txt) the tests and the chapters run on LOWPREC_TEST_WORKERS processes
+# (default: the CPU count, at most 4), a chapter's cells in one process, in order, the longest
+# chapters first. It goes on after a failure, so that one run lists every failure, and prints the
+# slowest tests and every chapter's duration.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$(date +%s)
@@ -28,6 +32,35 @@ fi
 export LOWPREC_SCALE=${LOWPREC_SCALE:-quick}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
+# What to run: notebooks are verified, other paths and options go to the test suite.
+notebooks=()
+tests=()
+test_options=()
+for arg in "$@"; do
+    case "$arg" in
+        *.ipynb)
+            [ -f "$arg" ] || { echo "run_tests.sh: no notebook $arg (the chapters are book/*.ipynb)" >&2; exit 2; }
+            notebooks+=("$arg") ;;
+        -*) test_options+=("$arg") ;;
+        *)
+            if [ ${#test_options[@]} -gt 0 ] && [[ "${test_options[-1]}" =~ ^-(k|m|p|n|-deselect|-randomly-seed)$ ]]; then
+                test_options+=("$arg")   # the value of the option before it
+            elif [ -e "${arg%%::*}" ]; then
+                tests+=("$arg")
+            else
+                echo "run_tests.sh: no file or folder $arg (give tests/... or book/....ipynb)" >&2
+                exit 2
+            fi ;;
+    esac
+done
+run_chapters=1
+run_suite=1
+if [ ${#notebooks[@]} -gt 0 ] || [ ${#tests[@]} -gt 0 ]; then
+    [ ${#notebooks[@]} -gt 0 ] || run_chapters=0
+    [ ${#tests[@]} -gt 0 ] || run_suite=0
+fi
+[ ${#tests[@]} -gt 0 ] || tests=(tests)
+
 workers=()
 if python -c "import xdist" 2>/dev/null; then
     n=${LOWPREC_TEST_WORKERS:-$(python -c "import os; print(min(4, os.cpu_count() or 1))")}
@@ -37,37 +70,31 @@ if python -c "import xdist" 2>/dev/null; then
 fi
 
 order=()
-chapters_in_order=()
 if python -c "import pytest_randomly" 2>/dev/null; then
-    chapters_in_order=(-p no:randomly)
-    if [ -n "${LOWPREC_TEST_SEED:-}" ]; then
-        order=(-p randomly "--randomly-seed=$LOWPREC_TEST_SEED")
-    else
-        order=(-p no:randomly)
-    fi
+    seed=${LOWPREC_TEST_SEED:-$(( $(date +%s) % 1000000 ))}
+    order=(-p randomly "--randomly-seed=$seed")
 elif [ -n "${LOWPREC_TEST_SEED:-}" ]; then
     echo "LOWPREC_TEST_SEED is set but pytest-randomly is not installed (pip install -r requirements.txt)" >&2
     exit 1
 fi
 
 status=0
-echo "== stored chapter outputs (tools/stored_outputs.py check)"
-python tools/stored_outputs.py check || status=1
+if [ $run_suite = 1 ]; then
+    echo "== test suite (${tests[*]}) [$(elapsed)]${workers:+ on ${workers[1]} processes}, ${seed:+random order of seed $seed (LOWPREC_TEST_SEED=$seed repeats it)}, OMP_NUM_THREADS=$OMP_NUM_THREADS"
+    python -m pytest "${workers[@]}" "${order[@]}" --durations=15 "${tests[@]}" "${test_options[@]}" || status=1
+fi
 
-echo "== test suite (tests/) [$(elapsed)]${workers:+ on ${workers[1]} processes}, ${LOWPREC_TEST_SEED:+random order of seed }${LOWPREC_TEST_SEED:-file order}, OMP_NUM_THREADS=$OMP_NUM_THREADS"
-python -m pytest "${workers[@]}" "${order[@]}" tests "$@" || status=1
-
-notebooks=()
-while IFS= read -r -d '' nb; do
-    notebooks+=("$nb")
-done < <(find book -name '*.ipynb' -not -path '*/.ipynb_checkpoints/*' -not -path 'book/results/*' -print0 | sort -z)
-
-if [ ${#notebooks[@]} -eq 0 ]; then
-    echo "== nbval: no chapter notebook under book/ yet, nothing to execute"
-else
-    echo "== chapters with nbval (${#notebooks[@]} notebooks, LOWPREC_SCALE=$LOWPREC_SCALE) [$(elapsed)]"
-    python -m pytest "${workers[@]}" "${chapters_in_order[@]}" --nbval-lax --nbval-current-env --nbval-cell-timeout=600 -p no:cacheprovider \
-        "${notebooks[@]}" || status=1
+if [ $run_chapters = 1 ]; then
+    if [ ${#notebooks[@]} -eq 0 ]; then
+        while IFS= read -r nb; do notebooks+=("$nb"); done < <(python tools/stored_outputs.py list)
+    fi
+    echo "== stored chapter outputs (tools/stored_outputs.py check) [$(elapsed)]"
+    python tools/stored_outputs.py check "${notebooks[@]}" || status=1
+    echo "== ${#notebooks[@]} chapter(s) verified with nbval, longest first (LOWPREC_SCALE=$LOWPREC_SCALE) [$(elapsed)]"
+    chapter_workers=("${workers[@]}")
+    [ ${#notebooks[@]} -gt 1 ] || chapter_workers=()
+    python -m pytest "${chapter_workers[@]}" -p no:randomly --nbval --nbval-current-env --nbval-cell-timeout=600 \
+        -p no:cacheprovider "${notebooks[@]}" || status=1
 fi
 if [ $status -ne 0 ]; then
     echo "== FAILED after $(elapsed) (see above)"
