@@ -85,9 +85,9 @@ if [ $run_suite = 1 ]; then
 fi
 
 if [ $run_chapters = 1 ]; then
-    if [ ${#notebooks[@]} -eq 0 ]; then
-        while IFS= read -r nb; do notebooks+=("$nb"); done < <(python tools/stored_outputs.py list)
-    fi
+    ordered=()   # every chapter when none is named; the longest first
+    while IFS= read -r nb; do ordered+=("$nb"); done < <(python tools/stored_outputs.py list "${notebooks[@]}")
+    notebooks=("${ordered[@]}")
     echo "== stored chapter outputs (tools/stored_outputs.py check) [$(elapsed)]"
     python tools/stored_outputs.py check "${notebooks[@]}" || status=1
     echo "== ${#notebooks[@]} chapter(s) verified with nbval, longest first (LOWPREC_SCALE=$LOWPREC_SCALE) [$(elapsed)]"

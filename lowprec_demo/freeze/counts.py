@@ -38,10 +38,10 @@ def step_counts(old: torch.Tensor, new: torch.Tensor, fmt: FloatFormat, tensor_i
     through the public functions) at ``q(old)``: ``counts[t, bin, frozen, flag]`` (int64, ``BINS + 1`` slots, the
     last for NaN) of ``n_tensors`` tensors by ``tensor_id`` (int32 per element, or 0-dim for one), the bins shifted
     by ``log_lr`` (float32 per tensor, 0-dim for all, None for none; see
-    :func:`~lowprec_demo.rounding.rule.bin_thresholds`), the flag ``grad != 0`` (0 without ``grad``); with ``octaves``, whole-octave bins (``OCTAVES + 1`` slots), no shift
-    and one flag slot. ``moves``: every element's move probability with ``rand_bits`` random bits (None: full
-    resolution), or with ``moves_sum`` their float64 sum. ``compile_now`` compiles the kernel in this call whatever
-    the mode."""
+    :func:`~lowprec_demo.rounding.rule.bin_thresholds`), the flag ``grad != 0`` (0 without ``grad``); with
+    ``octaves``, whole-octave bins (``OCTAVES + 1`` slots), no shift and one flag slot. ``moves``: every element's
+    move probability with ``rand_bits`` random bits (None: full resolution), or with ``moves_sum`` their float64
+    sum. ``compile_now`` compiles the kernel in this call whatever the mode."""
     if octaves and (grad is not None or log_lr is not None):
         raise ValueError("whole-octave counts take neither a gradient flag nor a learning-rate shift")
     if kernels.fits(old, fmt):
@@ -111,7 +111,6 @@ def _fold_index(edges: tuple, bins: int, device: torch.device) -> torch.Tensor:
         # bin b covers (b/8 - 1/8, b/8] above FIRST_EDGE: its whole octave is the ceil of its upper edge
         octave = -torch.div(-at, PER_OCTAVE, rounding_mode="floor") if bins == BINS else at
         index = (FIRST_EDGE + octave - edges[0]).clamp(0, len(edges))
-        index[0], index[bins - 1] = 0, len(edges)
         index = _FOLD_INDEX[key] = index.to(device)
     return index
 

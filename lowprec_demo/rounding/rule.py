@@ -291,7 +291,7 @@ def step_code(frozen: torch.Tensor, ratio: torch.Tensor, flag, tensor_id, bins: 
     rb = ratio.view(torch.int32) & 0x7FFFFFFF
     if bins is None:   # ceil(log2 ratio): the exponent, one more for a mantissa above 1
         at = (rb >> 23) - (127 + FIRST_EDGE) + ((rb & 0x7FFFFF) != 0).to(torch.int32)
-        slots, low, limit = OCTAVES, frozen.to(torch.int32), OCTAVES - 1
+        slots, low = OCTAVES, frozen.to(torch.int32)
     else:
         m = ((rb & 0x7FFFFF) | (127 << 23)).view(torch.float32)
         t = bins if bins.dim() == 1 else bins[tensor_id]
@@ -302,8 +302,8 @@ def step_code(frozen: torch.Tensor, ratio: torch.Tensor, flag, tensor_id, bins: 
         above = (upper.to(torch.int32) * 4 + half.to(torch.int32) * 2 + last.to(torch.int32)
                  + (m > t[..., 1]).to(torch.int32))
         at = ((rb >> 23) - (127 + FIRST_EDGE)) * PER_OCTAVE + above - t[..., 0].to(torch.int32)
-        slots, low, limit = BINS, (frozen.to(torch.int32) << 1) | flag, BINS - 1
-    at = torch.where(rb < (1 << 23), 0, torch.clamp(at, 0, limit))     # 0 and the subnormals in bin 0
+        slots, low = BINS, (frozen.to(torch.int32) << 1) | flag
+    at = torch.where(rb < (1 << 23), 0, torch.clamp(at, 0, slots - 1))     # 0 and the subnormals in bin 0
     at = torch.where(rb > _F32.inf_bits, slots, at)
     code = ((tensor_id * (slots + 1) + at) << (1 if bins is None else 2)) | low
     return code.to(torch.uint8) if bins is None and tensor_id.dim() == 0 else code
