@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import hashlib
 import json
 import os
@@ -166,12 +167,14 @@ def module_path(name: str) -> Path | None:
     return None
 
 
+@functools.lru_cache(maxsize=None)   # every notebook lists most modules: parse each once per process
 def module_digest(name: str) -> str:
     """sha256 (16 hex digits) of a module's syntax tree; "gone" when it has no source any more."""
     path = module_path(name)
     return hashlib.sha256(code_form(path.read_text(encoding="utf-8")).encode()).hexdigest()[:16] if path else "gone"
 
 
+@functools.lru_cache(maxsize=1)
 def results_digest() -> str:
     """sha256 over the stored full-scale results that chapters load (book/results/*.json)."""
     digest = hashlib.sha256()
