@@ -1,6 +1,6 @@
-"""``python -m lowprec_demo``: see :mod:`lowprec_demo.cli`."""
+"""``python -m lowprec_demo``: the book's command line, :mod:`lowprec_demo.book.cli`."""
 import sys
 
-from lowprec_demo.cli import main
+from lowprec_demo.book.cli import main
 
 sys.exit(main())

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from lowprec_demo.cli import main
+from lowprec_demo.book.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 _candidates = [os.environ.get("LOWPREC_DATA_DIR", ""), REPO.parent / "shared" / "data"]

@@ -42,7 +42,7 @@ def test_lockstep_gives_the_runs_one_after_the_other_bit_for_bit(name, steps):
 def test_masks_are_the_counted_fractions_element_by_element():
     """The kept masks give exactly the fractions the trackers count: chance from the records'
     fractions equals chance from the masks, at every step."""
-    result = lp.experiments.run_experiment("quadratic", steps=200, progress=False, device="cpu")
+    result = lp.book.experiments.run_experiment("quadratic", steps=200, progress=False, device="cpu")
     p, q = result.prediction.overall, result.runs["nearest"].frozen.overall
     chance = [a * (1 - b) + b * (1 - a) for a, b in zip(p, q)]
     assert chance == pytest.approx(result.agreement["chance_mismatch"], abs=1e-12)
@@ -119,7 +119,7 @@ def test_schedule_rule_scales_the_first_update_by_the_schedule():
 
 
 def test_baselines_and_errors_of_a_run():
-    result = lp.experiments.run_experiment("quadratic", steps=300, progress=False, device="cpu")
+    result = lp.book.experiments.run_experiment("quadratic", steps=300, progress=False, device="cpu")
     T = result.config.steps
     assert set(result.baselines) == {"schedule", "schedule_fitted", "always", "never"}
     assert all(len(v) == T for v in result.baselines.values())
@@ -138,8 +138,8 @@ def test_baselines_and_errors_of_a_run():
 
 
 def test_result_round_trips_baselines_and_agreement(tmp_path):
-    result = lp.experiments.run_experiment("quadratic", steps=40, progress=False, device="cpu")
-    loaded = lp.TrainResult.load(result.save(tmp_path / "r.json"))
+    result = lp.book.experiments.run_experiment("quadratic", steps=40, progress=False, device="cpu")
+    loaded = lp.book.TrainResult.load(result.save(tmp_path / "r.json"))
     assert loaded.baselines == result.baselines
     assert loaded.agreement == result.agreement
     d = json.loads((tmp_path / "r.json").read_text())
@@ -150,12 +150,12 @@ def test_result_round_trips_baselines_and_agreement(tmp_path):
 
 
 def test_train_formats_compares_every_formats_masks():
-    results = lp.run_formats("quadratic", ["e8m3", "bf16"], variants={"e8m3": ("nearest", "stochastic")},
+    results = lp.book.run_formats("quadratic", ["e8m3", "bf16"], variants={"e8m3": ("nearest", "stochastic")},
                              steps=80, progress=False, device="cpu")
     for name, r in results.items():
         assert r.format == name
         assert len(r.agreement["element_mismatch"]) == 80
-        single = lp.experiments.run_experiment("quadratic", fmt=name, steps=80, progress=False, device="cpu",
+        single = lp.book.experiments.run_experiment("quadratic", fmt=name, steps=80, progress=False, device="cpu",
                                                variants=("reference", "nearest"))
         assert r.runs["nearest"].loss == single.runs["nearest"].loss
         assert r.agreement == single.agreement
@@ -164,7 +164,7 @@ def test_train_formats_compares_every_formats_masks():
 
 
 def test_no_nearest_run_no_agreement():
-    r = lp.experiments.run_experiment("quadratic", steps=20, progress=False, device="cpu",
+    r = lp.book.experiments.run_experiment("quadratic", steps=20, progress=False, device="cpu",
                                       variants=("reference", "stochastic"))
     assert r.agreement == {} and set(r.baselines) == {"schedule", "schedule_fitted", "always", "never"}
     with pytest.raises(ValueError, match="nearest"):
@@ -178,17 +178,17 @@ def test_no_nearest_run_no_agreement():
     ("step", [1.0] * 50 + [0.1] * 25 + [0.1 ** 2] * 25),
 ])
 def test_new_schedules(schedule, expected):
-    cfg = lp.TrainConfig(steps=100, schedule=schedule, min_lr_ratio=0.1, decay_fraction=0.2)
-    assert [lp.lr_factor(s, cfg) for s in range(100)] == pytest.approx(expected)
+    cfg = lp.book.TrainConfig(steps=100, schedule=schedule, min_lr_ratio=0.1, decay_fraction=0.2)
+    assert [lp.book.lr_factor(s, cfg) for s in range(100)] == pytest.approx(expected)
 
 
 def test_schedule_settings_are_checked():
     for bad in (dict(decay_fraction=0.0), dict(step_gamma=1.5), dict(step_milestones=(0.5, 1.0)),
                 dict(min_lr_ratio=-0.1)):
         with pytest.raises(ValueError, match=next(iter(bad))):
-            lp.TrainConfig(**bad)
+            lp.book.TrainConfig(**bad)
     with pytest.raises(ValueError, match="constant, cosine, wsd, step"):
-        lp.TrainConfig(schedule="linear")
+        lp.book.TrainConfig(schedule="linear")
 
 
 def test_command_line_writes_the_evidence(tmp_path):
@@ -261,7 +261,7 @@ def test_stratified_chance_by_hand():
 
 
 def test_a_run_carries_the_stratified_chance_and_it_is_below_the_global():
-    result = lp.experiments.run_experiment("mlp", steps=60, progress=False, device="cpu")
+    result = lp.book.experiments.run_experiment("mlp", steps=60, progress=False, device="cpu")
     a = result.element_agreement()
     assert len(result.agreement["stratified_chance_mismatch"]) == 60
     assert a["stratified_chance_mismatch"] <= a["chance_mismatch"] + 1e-12
@@ -269,9 +269,9 @@ def test_a_run_carries_the_stratified_chance_and_it_is_below_the_global():
 
 
 def test_loss_falls_by_hand():
-    result = lp.experiments.run_experiment("quadratic", steps=100, progress=False, device="cpu",
+    result = lp.book.experiments.run_experiment("quadratic", steps=100, progress=False, device="cpu",
                                            variants=("reference", "nearest"))
-    result.config = lp.TrainConfig(**{**result.config.to_dict(), "warmup_steps": 10})
+    result.config = lp.book.TrainConfig(**{**result.config.to_dict(), "warmup_steps": 10})
     result.runs["reference"].loss = [float(100 - t) for t in range(100)]
     result.runs["nearest"].loss = [float(100 - min(t, 40)) for t in range(100)]
     falls = result.loss_falls(step=40, window=10)

@@ -130,7 +130,7 @@ def test_types_say_which_options_may_be_none():
 
 
 def test_the_command_line_reads_options_as_their_declared_type():
-    from lowprec_demo.cli import SettingError, parse_sets
+    from lowprec_demo.book.cli import SettingError, parse_sets
     assert parse_sets("nanogpt", ["bias=false", "n_layer=3", "n_head=None"], "full") == \
         {"bias": False, "n_layer": 3, "n_head": None}
     assert parse_sets("gpt2", ["tf32=true", "context=32"]) == {"tf32": True, "context": 32}
@@ -142,4 +142,4 @@ def test_a_build_reads_text_options():
     config = make_config("quadratic", steps=3, dim="5", noise="0")
     task = get_experiment("quadratic").build(config)
     assert task.make_model(None).w.numel() == 5
-    assert lp.make_config("mnist", batch_size="16").options["batch_size"] == "16"   # recorded as given
+    assert lp.book.make_config("mnist", batch_size="16").options["batch_size"] == "16"   # recorded as given

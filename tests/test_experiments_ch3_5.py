@@ -34,7 +34,7 @@ TINY = {
 
 
 def test_registered():
-    names = lp.experiment_names()
+    names = lp.book.experiment_names()
     for name in ("regression", "mlp", "mnist"):
         assert name in names
         for scale in ("quick", "full"):
@@ -85,7 +85,7 @@ def test_random_features_are_frozen():
 def test_closed_form_is_the_gradient_descent_run():
     config = make_config("regression", "quick", steps=60, features=32, samples=128, lr=0.05)
     closed = regression.closed_form(config)
-    result = lp.run_experiment("regression", steps=60, lr=0.05, features=32, samples=128, device="cpu",
+    result = lp.book.run_experiment("regression", steps=60, lr=0.05, features=32, samples=128, device="cpu",
                                variants=("reference",), progress=False)
     ref = torch.tensor(result.runs["reference"].loss, dtype=torch.float64)
     assert torch.allclose(ref, torch.tensor(closed["loss"], dtype=torch.float64), rtol=1e-4)
@@ -114,7 +114,7 @@ def test_adam_noise_estimate():
 def test_quick_scale_freeze_steps_agree(name, overrides):
     """The claim of the chapters at the quick scale, round to nearest only (the slow part is the
     reference run's prediction)."""
-    result = lp.run_experiment(name, fmt="bf16", scale="quick", device="cpu", variants=("reference", "nearest"),
+    result = lp.book.run_experiment(name, fmt="bf16", scale="quick", device="cpu", variants=("reference", "nearest"),
                                progress=False, **overrides)
     predicted, observed = result.predicted_freeze_step(), result.observed_freeze_step()
     assert predicted is not None and observed is not None

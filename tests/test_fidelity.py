@@ -9,7 +9,7 @@
 
 The numbers asserted here are quoted on the book's page "Fidelity" (book/fidelity.md)
 (``pytest tests/test_fidelity.py -v``). Parts 2-4 skip, naming the package, when it is missing
-(``pip install -r requirements-fidelity.txt``).
+(``pip install -e ".[fidelity]"``).
 """
 
 import contextlib

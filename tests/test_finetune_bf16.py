@@ -26,7 +26,7 @@ def tiny(monkeypatch):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", lp.data.DataFallbackWarning)
+        warnings.simplefilter("ignore", lp.book.data.DataFallbackWarning)
         yield
     torch.set_num_threads(threads)
 

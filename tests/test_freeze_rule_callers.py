@@ -140,7 +140,7 @@ def test_predictor_watch_and_optimizer_are_the_exact_rule(key):
     want_move = sum(m for _, m in wants) / len(wants)
 
     model, opt = _one_step(fmt, old, new)
-    predictor = lp.FreezePredictor(model, formats=(fmt,), keep_masks=True)
+    predictor = lp.freeze.FreezePredictor(model, formats=(fmt,), keep_masks=True)
     watch = lp.watch(model, opt, formats=(fmt,))
     predictor.before_step()
     opt.step()

@@ -374,7 +374,7 @@ CLI_ARGS = ["run", "nanogpt", "--format", "bf16", "--scale", "quick", "--steps",
 def test_the_command_line_trains_sharded_like_one_process(tmp_path):
     """Each process takes half of every batch, as under DDP, so the run is the single-process run
     up to floating-point reassociation of the batch's gradient (bits are the worker's business)."""
-    from lowprec_demo.cli import main
+    from lowprec_demo.book.cli import main
     env = dict(os.environ, OMP_NUM_THREADS="1", LOWPREC_OFFLINE="1", PYTHONPATH=str(REPO))
     data = REPO.parent / "shared" / "data"
     if (data / "tinyshakespeare.txt").is_file() and not env.get("LOWPREC_DATA_DIR"):

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import lowprec_demo as lp
-from lowprec_demo.cli import main
+from lowprec_demo.book.cli import main
 from lowprec_demo.book.experiments.gpt2 import by_layer, layer_of
 from lowprec_demo.book.results import describe, load_result, stored_results
 from lowprec_demo.book.experiments import run_formats
@@ -34,24 +34,24 @@ def offline_data(monkeypatch):
 
 
 def test_registered():
-    assert {"nanogpt", "gpt2"} <= set(lp.experiment_names())
-    quick, full = lp.make_config("nanogpt", "quick"), lp.make_config("nanogpt", "full")
+    assert {"nanogpt", "gpt2"} <= set(lp.book.experiment_names())
+    quick, full = lp.book.make_config("nanogpt", "quick"), lp.book.make_config("nanogpt", "full")
     assert (quick.optimizer, quick.schedule, quick.format) == ("adamw", "cosine", "bf16")
     assert full.options["model"] == "shakespeare-char"
     # nanoGPT's recipe: the cosine ends at a tenth of the peak (1e-3 at full size, 2e-4 quick)
     assert (full.lr, full.min_lr_ratio, full.steps, full.warmup_steps) == (1e-3, 0.1, 5000, 100)
     assert (quick.lr, quick.min_lr_ratio, quick.steps, quick.threshold) == (2e-4, 0.1, 600, 0.5)
-    assert lp.lr_factor(quick.steps - 1, quick) == pytest.approx(0.1)
-    g = lp.make_config("gpt2", "full")
+    assert lp.book.lr_factor(quick.steps - 1, quick) == pytest.approx(0.1)
+    g = lp.book.make_config("gpt2", "full")
     assert (g.format, g.lowprec_params, g.options["model"], g.options["context"]) == ("e4m3", "matrices", "gpt2", 1024)
     # the quick GPT-2 run keeps the peak learning rate at every step (chapter 7, section 7.3)
-    q = lp.make_config("gpt2", "quick")
+    q = lp.book.make_config("gpt2", "quick")
     assert q.schedule == "constant" and q.warmup_steps == 0 and g.schedule == "cosine"
-    assert all(lp.lr_factor(s, q) == 1.0 for s in range(q.steps))
+    assert all(lp.book.lr_factor(s, q) == 1.0 for s in range(q.steps))
 
 
 def test_nanogpt_tiny_run_predicts_and_observes():
-    r = lp.run_experiment("nanogpt", steps=40, progress=False, **TINY_NANOGPT)
+    r = lp.book.run_experiment("nanogpt", steps=40, progress=False, **TINY_NANOGPT)
     assert set(r.runs) == {"reference", "nearest", "stochastic"}
     assert "character-level GPT (1 layers" in r.description
     assert len(r.prediction.overall) == len(r.runs["nearest"].frozen.overall) == 40
@@ -77,7 +77,7 @@ def test_run_formats_shares_the_reference():
     # fewer mantissa bits freeze more
     assert sum(e8m4.prediction.overall) > sum(bf16.prediction.overall)
     # one reference predicts the same as a dedicated one
-    single = lp.run_experiment("nanogpt", fmt="e8m4", steps=30, progress=False, variants=("reference", "nearest"),
+    single = lp.book.run_experiment("nanogpt", fmt="e8m4", steps=30, progress=False, variants=("reference", "nearest"),
                                **TINY_NANOGPT)
     assert single.prediction.overall == e8m4.prediction.overall
     assert single.runs["nearest"].loss == e8m4.runs["nearest"].loss
@@ -123,7 +123,7 @@ def test_layer_of():
 def test_stored_results_load_when_present(tmp_path, monkeypatch):
     monkeypatch.setenv("LOWPREC_RESULTS_DIR", str(tmp_path))
     assert load_result("nanogpt_bf16_full") is None and stored_results("nanogpt") == {}
-    r = lp.run_experiment("quadratic", steps=20, progress=False)
+    r = lp.book.run_experiment("quadratic", steps=20, progress=False)
     r.save(tmp_path / "nanogpt_bf16_full.json")
     loaded = load_result("nanogpt_bf16_full")
     assert loaded is not None and loaded.runs["nearest"].loss == r.runs["nearest"].loss
@@ -137,25 +137,25 @@ def test_offline_without_shakespeare_falls_back_and_says_so(monkeypatch):
     monkeypatch.delenv("LOWPREC_DATA_DIR", raising=False)
     monkeypatch.setenv("LOWPREC_CACHE_DIR", "/nonexistent-lowprec-cache")
     for _ in range(2):
-        with pytest.warns(lp.data.DataFallbackWarning, match="Tiny Shakespeare is unavailable"):
-            r = lp.run_experiment("nanogpt", steps=3, progress=False, variants=("reference",), **TINY_NANOGPT)
+        with pytest.warns(lp.book.data.DataFallbackWarning, match="Tiny Shakespeare is unavailable"):
+            r = lp.book.run_experiment("nanogpt", steps=3, progress=False, variants=("reference",), **TINY_NANOGPT)
         assert "fallback corpus" in r.description
     for _ in range(2):
-        with pytest.warns(lp.data.DataFallbackWarning, match="Tiny Shakespeare is unavailable"):
-            tokens, vocab, how = lp.experiments.gpt2.text_tokens()
+        with pytest.warns(lp.book.data.DataFallbackWarning, match="Tiny Shakespeare is unavailable"):
+            tokens, vocab, how = lp.book.experiments.gpt2.text_tokens()
         assert "fallback corpus" in how
-    assert lp.experiments.nanogpt._char_tokens.cache_info().hits >= 1   # read once, from the cache after
+    assert lp.book.experiments.nanogpt._char_tokens.cache_info().hits >= 1   # read once, from the cache after
 
 
 @pytest.mark.parametrize("value, has_bias", [(False, False), ("false", False), ("true", True)])
 def test_nanogpt_bias_option(value, has_bias):
-    config = lp.make_config("nanogpt", "quick", steps=2, bias=value, **TINY_NANOGPT)
-    model = lp.experiments.get_experiment("nanogpt").build(config).make_model(None)
+    config = lp.book.make_config("nanogpt", "quick", steps=2, bias=value, **TINY_NANOGPT)
+    model = lp.book.experiments.get_experiment("nanogpt").build(config).make_model(None)
     biases = [n for n, _ in model.named_parameters() if n.endswith(".bias")]
     assert bool(biases) == has_bias
 
 
 def test_nanogpt_bias_option_rejects_other_text():
-    config = lp.make_config("nanogpt", "quick", steps=2, bias="maybe", **TINY_NANOGPT)
+    config = lp.book.make_config("nanogpt", "quick", steps=2, bias="maybe", **TINY_NANOGPT)
     with pytest.raises(ValueError, match="true or false"):
-        lp.experiments.get_experiment("nanogpt").build(config)
+        lp.book.experiments.get_experiment("nanogpt").build(config)

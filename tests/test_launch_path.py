@@ -126,9 +126,10 @@ class FakeShell:
 
 
 def fake_package() -> types.ModuleType:
-    """A stand-in for lowprec_demo that records what the setup cell asks of it."""
+    """A stand-in for lowprec_demo (and its ``book``) that records what the setup cell asks of it."""
     module = types.ModuleType(OUR_PACKAGE)
     module.calls = []
+    module.book = types.ModuleType(f"{OUR_PACKAGE}.book")
 
     def record(name, result):
         def function(*args, **kwargs):
@@ -137,9 +138,9 @@ def fake_package() -> types.ModuleType:
 
         return function
 
-    module.scale = record("scale", "quick")
-    module.pick_device = record("pick_device", "cpu")
-    module.seed_everything = record("seed_everything", None)
+    module.book.scale = record("scale", "quick")
+    module.book.pick_device = record("pick_device", "cpu")
+    module.book.seed_everything = record("seed_everything", None)
     return module
 
 
@@ -148,6 +149,7 @@ def run_setup_cell(source: str, in_colab: bool, monkeypatch) -> tuple[list[str],
     package = fake_package()
     with monkeypatch.context() as patch:
         patch.setitem(sys.modules, OUR_PACKAGE, package)
+        patch.setitem(sys.modules, f"{OUR_PACKAGE}.book", package.book)
         if in_colab:
             patch.setitem(sys.modules, "google", types.ModuleType("google"))
             patch.setitem(sys.modules, "google.colab", types.ModuleType("google.colab"))
@@ -206,7 +208,7 @@ def test_first_code_cell_installs_only_the_book_package_on_colab(notebook, monke
         "the repository URL and branch of _config.yml, and nothing else"
     )
     for name in ("scale", "pick_device", "seed_everything"):
-        assert name in package.calls, f"{notebook.name}: the first code cell never calls lp.{name}()"
+        assert name in package.calls, f"{notebook.name}: the first code cell never calls book.{name}()"
 
 
 @per_chapter

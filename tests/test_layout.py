@@ -60,7 +60,7 @@ def _modules() -> list:
 
 
 # The layers, lowest first: a module imports only from its own layer and those before it.
-LAYERS = ("version", "common", "formats", "rounding", "optim", "freeze", "monitor", "book", "cli", "__main__")
+LAYERS = ("version", "common", "formats", "rounding", "optim", "freeze", "monitor", "book", "__main__")
 
 
 def test_lower_layers_never_import_higher_ones():
@@ -105,6 +105,18 @@ def test_every_name_the_package_offers_resolves_and_no_attribute_shadows_a_submo
         assert len(getattr(module, "__all__", [])) <= 25, package
 
 
+@pytest.mark.parametrize("name", ["run_experiment", "scale", "plots", "experiments", "steps_agree", "FreezePredictor"])
+def test_the_top_level_offers_the_library_and_nothing_of_the_book(name):
+    """``lowprec_demo`` is the library: the book's names (and analysis helpers) are reached through their subpackage,
+    ``lowprec_demo.book.run_experiment``, ``lowprec_demo.freeze.steps_agree``."""
+    with pytest.raises(AttributeError, match=name):
+        getattr(lp, name)
+    for top in dir(lp):
+        value = getattr(lp, top)
+        home = value.__name__ if inspect.ismodule(value) else getattr(value, "__module__", "") or ""
+        assert top == "book" or not home.startswith("lowprec_demo.book"), top
+
+
 def test_the_training_loop_does_not_reach_up_to_the_experiments():
     assert not any(m.startswith("book.experiments") for m in _imports("book.training"))
     assert {"book.config", "book.results", "book.distributed"} <= _imports("book.training")
@@ -140,10 +152,10 @@ def test_no_package_module_imports_from_itself_in_a_cycle():
 
 
 def test_public_names_where_the_package_exports_them():
-    assert lp.run_formats.__module__ == "lowprec_demo.book.experiments"
-    assert lp.TrainResult.__module__ == "lowprec_demo.book.results"
-    assert lp.TrainConfig.__module__ == lp.lr_factor.__module__ == "lowprec_demo.book.config"
-    assert lp.train_variants.__module__ == "lowprec_demo.book.training"
+    assert lp.book.run_formats.__module__ == "lowprec_demo.book.experiments"
+    assert lp.book.TrainResult.__module__ == "lowprec_demo.book.results"
+    assert lp.book.TrainConfig.__module__ == lp.book.lr_factor.__module__ == "lowprec_demo.book.config"
+    assert lp.book.train_variants.__module__ == "lowprec_demo.book.training"
 
 
 EXPERIMENT_MODULES = ("quadratic", "regression", "mlp", "mnist", "nanogpt", "gpt2")

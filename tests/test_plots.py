@@ -13,7 +13,7 @@ from lowprec_demo.book.results import describe   # noqa: E402
 
 
 def _run():
-    return lp.run_experiment("quadratic", fmt="e8m4", steps=60, progress=False)
+    return lp.book.run_experiment("quadratic", fmt="e8m4", steps=60, progress=False)
 
 
 def test_plot_run_draws_the_losses_beside_the_frozen_fraction():

@@ -109,11 +109,11 @@ def test_steps_agree_tolerance():
 def test_neither_freezing_is_agreement_and_the_sweep_says_nothing_froze():
     """Both freeze steps None: the prediction "nothing freezes within the run" holds."""
     assert steps_agree(None, None, 10)
-    r = lp.run_experiment("quadratic", fmt="bf16", steps=5, dim=4, variants=("reference", "nearest"),
+    r = lp.book.run_experiment("quadratic", fmt="bf16", steps=5, dim=4, variants=("reference", "nearest"),
                           progress=False)
     assert r.predicted_freeze_step() is None and r.observed_freeze_step() is None
     assert r.freeze_steps_agree()
-    rows = lp.sweep("quadratic", man_bits=[3, 7], steps=5, dim=4) + lp.sweep("quadratic", man_bits=[3], steps=200)
+    rows = lp.book.sweep("quadratic", man_bits=[3, 7], steps=5, dim=4) + lp.book.sweep("quadratic", man_bits=[3], steps=200)
     assert [(row["agree"], row["froze"]) for row in rows] == [(True, False), (True, False), (True, True)]
 
 
@@ -140,16 +140,16 @@ def test_observer_and_predictor_have_one_shape():
 
 
 def test_freeze_order_lists_first_frozen_first():
-    rec = lp.FreezeRecord(format="bf16", kind="predicted",
+    rec = lp.freeze.FreezeRecord(format="bf16", kind="predicted",
                           by_tensor={"a": [0, 0, 1, 1], "b": [1, 1, 1, 1], "c": [0, 0, 0, 0]})
     assert freeze_order(rec, 0.5) == [("b", 0), ("a", 2), ("c", None)]
 
 
 
 def test_froze_as_predicted_needs_a_freeze():
-    froze = lp.run_experiment("quadratic", fmt="bf16", steps=300, progress=False, variants=("reference", "nearest"))
+    froze = lp.book.run_experiment("quadratic", fmt="bf16", steps=300, progress=False, variants=("reference", "nearest"))
     assert froze.predicted_freeze_step() is not None and froze.froze_as_predicted()
-    never = lp.run_experiment("quadratic", fmt="bf16", steps=5, dim=4, variants=("reference", "nearest"),
+    never = lp.book.run_experiment("quadratic", fmt="bf16", steps=5, dim=4, variants=("reference", "nearest"),
                               progress=False)
     assert never.freeze_steps_agree() and not never.froze_as_predicted()
 
@@ -174,7 +174,7 @@ def test_the_predictors_octaves_are_exact_just_above_a_power_of_two(dtype):
         param.add_(d.to(dtype))
     predictor.after_step()
     assert torch.equal(param.detach().double() - w, d)          # the updates are exactly these
-    ratio = lp.update_ulp_ratio(w, d, "bf16")                    # exact: a division by a power of two
+    ratio = lp.rounding.update_ulp_ratio(w, d, "bf16")                    # exact: a division by a power of two
     mantissa, exponent = torch.frexp(ratio)
     octave = torch.where(mantissa == 0.5, exponent - 1, exponent)
     edge = ratio > 2.0 ** (octave - 1).double()     # not powers of two...

@@ -187,5 +187,5 @@ def test_floor_ratio_needs_a_schedule_with_a_floor():
                          options={"samples": 256})
     step = cos.predicted_freeze_step()
     assert step is not None
-    assert floor_ratio(cos, 2.0) == min(1.0, 2 * lp.lr_factor(step, cos.config))
+    assert floor_ratio(cos, 2.0) == min(1.0, 2 * lp.book.lr_factor(step, cos.config))
     assert not math.isnan(floor_ratio(cos, 0.5))

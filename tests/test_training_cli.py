@@ -8,20 +8,20 @@ import pytest
 import torch
 
 import lowprec_demo as lp
-from lowprec_demo.cli import main
+from lowprec_demo.book.cli import main
 from lowprec_demo.book.config import lr_factor
 from lowprec_demo.book.results import TrainResult
 
 
 def test_quadratic_freezes_at_predicted_step_for_three_mantissa_lengths():
-    rows = lp.sweep("quadratic", man_bits=[3, 5, 7], steps=200)
+    rows = lp.book.sweep("quadratic", man_bits=[3, 5, 7], steps=200)
     assert all(r["agree"] for r in rows), rows
     steps = [r["predicted"] for r in rows]
     assert steps == sorted(steps)  # fewer bits: earlier freeze
 
 
 def test_variants_share_initialisation_and_batches():
-    r = lp.run_experiment("quadratic", steps=30, progress=False, variants=("reference", "nearest", "stochastic", "kahan"))
+    r = lp.book.run_experiment("quadratic", steps=30, progress=False, variants=("reference", "nearest", "stochastic", "kahan"))
     first = {v: run.loss[0] for v, run in r.runs.items()}
     # the low-precision runs start from the rounded initial point (w = 0 is on every grid)
     assert len(set(first.values())) == 1
@@ -31,7 +31,7 @@ def test_variants_share_initialisation_and_batches():
 
 
 def test_stochastic_rounding_tracks_reference_and_nearest_stalls():
-    r = lp.run_experiment("quadratic", fmt="bf16", progress=False)
+    r = lp.book.run_experiment("quadratic", fmt="bf16", progress=False)
     assert r.final_loss("nearest") > 100 * r.final_loss("stochastic")
     assert r.freeze_steps_agree()
     # SR's predicted fraction of elements left in place matches the observed one at the end
@@ -105,7 +105,7 @@ def test_cli_refuses_bad_settings_before_training(tmp_path, capsys, monkeypatch,
 
 
 def test_cli_set_reads_each_field_as_its_type(tmp_path):
-    from lowprec_demo.cli import parse_sets
+    from lowprec_demo.book.cli import parse_sets
     sets = parse_sets("quadratic", ["lr=5e-2", "steps=7", "momentum=0", "betas=(0.9, 0.95)", "sr_seed=None",
                                     "variants=reference,nearest", "predict_formats=e8m4", "optimizer=sgd",
                                     "dim=4", "noise=0"])
@@ -125,10 +125,10 @@ def test_cli_set_reads_each_field_as_its_type(tmp_path):
 
 def test_unknown_settings_are_refused_from_python_too():
     with pytest.raises(ValueError, match="unknown setting 'nosuchkey' for quadratic"):
-        lp.make_config("quadratic", nosuchkey=3)
+        lp.book.make_config("quadratic", nosuchkey=3)
     with pytest.raises(ValueError, match="unknown setting 'depth' for quadratic"):
-        lp.make_config("quadratic", options={"depth": 2})
-    assert lp.make_config("quadratic", dim=3, momentum=0.5).options["dim"] == 3
+        lp.book.make_config("quadratic", options={"depth": 2})
+    assert lp.book.make_config("quadratic", dim=3, momentum=0.5).options["dim"] == 3
 
 
 def test_every_experiment_declares_the_options_of_its_defaults():
@@ -193,7 +193,7 @@ def test_cli_list(capsys):
 
 
 def test_lr_schedule():
-    cfg = lp.TrainConfig(steps=101, schedule="cosine", warmup_steps=10, min_lr_ratio=0.1)
+    cfg = lp.book.TrainConfig(steps=101, schedule="cosine", warmup_steps=10, min_lr_ratio=0.1)
     assert lr_factor(0, cfg) == pytest.approx(0.1)
     assert lr_factor(9, cfg) == pytest.approx(1.0)
     assert lr_factor(10, cfg) == pytest.approx(1.0)
@@ -204,17 +204,17 @@ def test_lr_schedule():
 
 def test_config_validation():
     with pytest.raises(ValueError, match="reference"):
-        lp.TrainConfig(variants=("nearest",))
+        lp.book.TrainConfig(variants=("nearest",))
     with pytest.raises(ValueError, match="constant, cosine"):
-        lp.TrainConfig(schedule="linear")
+        lp.book.TrainConfig(schedule="linear")
     with pytest.raises(ValueError, match="valid names"):
-        lp.TrainConfig(format="bf99")
+        lp.book.TrainConfig(format="bf99")
 
 
 def test_sr_seed_redraws_stochastic_rounding_only():
     """``sr_seed`` changes the random bits of SR and nothing else; None is ``seed + 1``."""
     def run(**kw):
-        return lp.run_experiment("quadratic", fmt="bf16", steps=60, dim=16, rand_bits=2, progress=False,
+        return lp.book.run_experiment("quadratic", fmt="bf16", steps=60, dim=16, rand_bits=2, progress=False,
                                  variants=("reference", "stochastic"), **kw)
     default, same, other = run(), run(sr_seed=1), run(sr_seed=7)
     assert default.runs["stochastic"].loss == same.runs["stochastic"].loss

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import lowprec_demo as lp
-from lowprec_demo.cli import main
+from lowprec_demo.book.cli import main
 from lowprec_demo.formats import format_of_dtype
 from lowprec_demo.monitor.diagnoses import DIAGNOSIS_KINDS
 from lowprec_demo.monitor.freeze_watch import FreezeWatch
@@ -43,7 +43,7 @@ def test_prediction_is_the_predictors_bit_for_bit():
     model = tiny_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     w = lp.watch(model, opt, formats=("bf16", "e8m4"))
-    predictor = lp.FreezePredictor(model, formats=("bf16", "e8m4"))
+    predictor = lp.freeze.FreezePredictor(model, formats=("bf16", "e8m4"))
     opt.register_step_pre_hook(lambda *a: predictor.before_step())
     opt.register_step_post_hook(lambda *a: predictor.after_step())
     train(model, opt, 12)
@@ -81,7 +81,7 @@ def test_observation_through_a_low_precision_optimizer_is_the_observers():
     opt = lp.LowPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-3), "bf16")
     opt.round_params()
     w = lp.watch(model, opt)
-    observer = lp.FreezeObserver(model, "bf16")
+    observer = lp.freeze.FreezeObserver(model, "bf16")
     opt.register_step_pre_hook(lambda *a: observer.before_step())
     opt.register_step_post_hook(lambda *a: observer.after_step())
     train(model, opt, 8)
@@ -573,7 +573,7 @@ def test_parameters_moved_or_without_a_flat_view_are_followed_like_the_rest():
             assert not lin.weight.is_contiguous()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         w = lp.watch(model, opt, formats=("bf16",))
-        predictor = lp.FreezePredictor(model, formats=("bf16",))
+        predictor = lp.freeze.FreezePredictor(model, formats=("bf16",))
         opt.register_step_pre_hook(lambda *a: predictor.before_step())
         opt.register_step_post_hook(lambda *a: predictor.after_step())
 
@@ -611,7 +611,7 @@ def test_one_learning_rate_for_all_tensors_gives_the_same_codes():
     grad[::7] = 0.0
     tensor_id = torch.repeat_interleave(torch.arange(3, dtype=torch.int32), torch.tensor([1000, 1500, 500]))
     one = torch.tensor(-9.5)
-    ratio = lp.update_ulp_ratio(old, new - old, fmt).float()
+    ratio = lp.rounding.update_ulp_ratio(old, new - old, fmt).float()
     # float64: exact at the edges that matter here (powers of two); NaN in its own slot
     want = torch.ceil((torch.log2(ratio.double()) - one.double() - first) * 8).clamp(0, bins - 1).nan_to_num(nan=bins)
     for mode in ("off", "on"):

@@ -13,7 +13,7 @@ import torch
 
 import lowprec_demo as lp
 from lowprec_demo.rounding import kernels
-from lowprec_demo.cli import main
+from lowprec_demo.book.cli import main
 from lowprec_demo.monitor.diagnoses import Diagnosis, group_lines
 
 

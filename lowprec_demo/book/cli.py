@@ -16,10 +16,10 @@ import typing
 from pathlib import Path
 from typing import List, Optional
 
-if __name__ == "__main__" and not __package__:   # run as a file: ``torchrun lowprec_demo/cli.py run ...``
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    import lowprec_demo  # noqa: F401
-    __package__ = "lowprec_demo"
+if __name__ == "__main__" and not __package__:   # run as a file: ``torchrun lowprec_demo/book/cli.py run ...``
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    import lowprec_demo.book  # noqa: F401
+    __package__ = "lowprec_demo.book"
 
 from lowprec_demo.formats import FORMAT_NAMES
 from lowprec_demo.book.runtime import DEVICES, SCALES, pick_device
