@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import lowprec_demo as lp
-from lowprec_demo import cli
+from lowprec_demo.book import cli
 from lowprec_demo.book.experiments import get_experiment, make_config, mlp, regression
 
 @pytest.fixture(autouse=True, scope="module")

@@ -140,7 +140,19 @@ def lr_factor(step: int, config: TrainConfig) -> float:
             return 1.0
         progress = min(1.0, (step - start) / max(1, last - start))
         return 1.0 - (1.0 - config.min_lr_ratio) * progress
-    span = max(1, last - config.warmup_steps)
-    progress = min(1.0, (step - config.warmup_steps) / span)
-    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
-    return config.min_lr_ratio + (1.0 - config.min_lr_ratio) * cosine
+    return warmup_cosine(step, config.warmup_steps, last, config.min_lr_ratio)
+
+
+def warmup_cosine(step: int, warmup: int, end: int, floor: float = 0.0) -> float:
+    """The book's one warmup-cosine factor: ``(step + 1) / warmup`` over the first ``warmup`` steps, then a cosine from
+    1 down to ``floor``, reached at step ``end``. :func:`lr_factor` ends it at a run's last step; the fine-tune
+    (:mod:`lowprec_demo.book.finetune`) one step after its last, as Hugging Face's cosine schedule does.
+
+    Example:
+        >>> warmup_cosine(0, 2, 10), warmup_cosine(6, 2, 10), warmup_cosine(10, 2, 10, floor=0.1)
+        (0.5, 0.5, 0.1)
+    """
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, end - warmup))
+    return floor + (1.0 - floor) * (0.5 * (1.0 + math.cos(math.pi * progress)))

@@ -24,8 +24,11 @@ from typing import Callable, Optional
 import torch
 
 import lowprec_demo as lp
+from lowprec_demo.book.config import warmup_cosine
 from lowprec_demo.book.data.batches import TokenBatches
+from lowprec_demo.book.experiments.language import decay_groups
 from lowprec_demo.book.models import GPT, gpt_config
+from lowprec_demo.book.training import train_steps
 from lowprec_demo.optim.plan import CLASSIC_REMEDIES, PLAN_REMEDIES
 
 __all__ = ["SETTINGS", "VARIANTS", "Variant", "FinetuneData", "pretrained", "finetune", "heldout_loss", "held_bytes"]
@@ -55,17 +58,12 @@ class FinetuneData:
 
 
 def _schedule(steps: int, warmup: int, floor: float = 0.0) -> Callable[[int], float]:
-    """Linear warmup, then cosine from 1 to ``floor``: a factor of the peak learning rate per step."""
-    def factor(step: int) -> float:
-        t = min(1.0, (step - warmup) / max(1, steps - warmup))
-        return (step + 1) / warmup if step < warmup else floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * t))
-    return factor
+    """The book's warmup-cosine as a factor of the peak learning rate per step, at ``floor`` one step after the last."""
+    return lambda step: warmup_cosine(step, warmup, steps, floor)
 
 
 def _groups(model: torch.nn.Module) -> list:   # weight decay on matrices only (nanoGPT's groups)
-    params = list(model.parameters())
-    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": WEIGHT_DECAY},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return decay_groups(model, WEIGHT_DECAY)
 
 
 _PRETRAINED: dict = {}   # (seed, settings, corpus) -> pretrained()'s result
@@ -88,10 +86,8 @@ def pretrained(seed: int = 0, quick: bool = True):
         opt = torch.optim.AdamW(_groups(model), lr=s["pretrain_lr"], betas=(0.9, 0.99))
         sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule(s["pretrain_steps"], 20, 0.1))
         batches = TokenBatches(data.pretrain, block, s["batch_size"], seed=seed, val_fraction=0.0)
-        for step in range(s["pretrain_steps"]):
-            opt.zero_grad(set_to_none=True)
-            model(*batches.get_batch(step))[1].backward()
-            opt.step(), sched.step()
+        for _ in train_steps(model, opt, s["pretrain_steps"], batches.get_batch, lambda b: model(*b)[1], sched):
+            pass
         data.start_loss = heldout_loss(model, data)
         _PRETRAINED[key] = ({k: v.detach().clone() for k, v in model.state_dict().items()}, config, data)
     return _PRETRAINED[key]
@@ -205,27 +201,23 @@ def finetune(variant, seed: int = 0, lr: float = 5e-5, steps: Optional[int] = No
         planner = lp.watch(model, opt, formats=("bf16",), scheduler=sched, total_steps=steps) if plan_at else None
         plan = attached = None
         batches, losses, times = data.batches(seed), [], []
-
-        def step(x, y):
-            start = time.perf_counter()
-            opt.zero_grad(set_to_none=True)
-            (loss := model(x, y)[1]).backward()
-            opt.step()
-            times.append(time.perf_counter() - start)
-            return loss.item()
-
-        for i in range(steps):
-            losses.append(step(*batches.get_batch(i)))
-            sched.step()
+        start = time.perf_counter()
+        for i, loss in train_steps(model, opt, steps, batches.get_batch, lambda b: model(*b)[1], sched):
+            times.append(time.perf_counter() - start)      # the step and the scheduler's, not the bookkeeping
+            losses.append(loss.item())
             if i + 1 == plan_at:     # the plan from the watched bf16 steps, applied through opt's step hooks
                 plan = planner.plan("bf16", budget=1.0, remedies=spec.remedies)
                 attached = lp.attach_plan(opt, plan, model=model)
                 planner.detach()
+            start = time.perf_counter()
         watcher is not None and watcher.detach()
-    x, y = batches.get_batch(0)
+    one = batches.get_batch(0)
+
+    def step():   # one more step on the first batch, for timing
+        return next(train_steps(model, opt, 1, lambda _: one, lambda b: model(*b)[1]))[1].item()
     return dict(variant=variant, seed=seed, lr=lr, steps=steps, final_loss=heldout_loss(model, data),
                 start_loss=data.start_loss, losses=losses, bytes_per_parameter_held=held_bytes(model, attached or opt),
                 bytes_per_parameter=lp.bytes_per_parameter(attached or opt)["total"],
                 step_ms=1e3 * statistics.median(times), model=model, optimizer=opt, plan=plan or probe, watch=watcher,
-                step=lambda: step(x, y))
+                step=step)
 

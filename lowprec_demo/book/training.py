@@ -16,7 +16,7 @@ import copy
 import dataclasses
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -30,7 +30,7 @@ from lowprec_demo.freeze import FreezeObserver, FreezePredictor, mask_mismatch, 
 from lowprec_demo.monitor import FreezeWatch
 from lowprec_demo.optim import FreezePlan, LowPrecisionOptimizer, bytes_per_parameter, select_params
 
-__all__ = ["Task", "train_variants", "train_formats", "train_plan", "plan_step", "Variants", "variant_wrapper",
+__all__ = ["Task", "train_steps", "train_variants", "train_formats", "train_plan", "plan_step", "Variants", "variant_wrapper",
            "fit_steps"]
 
 
@@ -82,6 +82,34 @@ def make_optimizer(model: torch.nn.Module, task: Task, config: TrainConfig) -> t
                foreach=False)
 
 
+def train_steps(model: torch.nn.Module, optimizer, steps: Union[int, Iterable[int]], batch: Callable[[int], Any],
+                loss: Callable[[Any], torch.Tensor], scheduler=None, before_step: Optional[Callable[[], None]] = None,
+                after_step: Optional[Callable[[], None]] = None) -> Iterator[Tuple[int, torch.Tensor]]:
+    """The book's one training loop, as a generator: for each step (``range(steps)``, or the steps an iterable such as
+    a progress bar gives), the step's ``batch``, its ``loss``, ``zero_grad``, ``backward``, ``before_step()``,
+    ``optimizer.step()``, ``after_step()`` (a tracker's snapshots around the step) and the scheduler's step; then it
+    yields ``(step, loss)`` for the caller's bookkeeping. The chapters' runs and the fine-tune train through it.
+
+    Example:
+        >>> w = torch.nn.Parameter(torch.ones(2)); opt = torch.optim.SGD([w], lr=0.5)
+        >>> [round(l.item(), 3) for _, l in train_steps(torch.nn.Module(), opt, 3, lambda s: s, lambda b: (w ** 2).sum())]
+        [2.0, 0.0, 0.0]
+    """
+    for step in range(steps) if isinstance(steps, int) else steps:
+        model.train()
+        value = loss(batch(step))
+        optimizer.zero_grad(set_to_none=True)
+        value.backward()
+        if before_step is not None:
+            before_step()
+        optimizer.step()
+        if after_step is not None:
+            after_step()
+        if scheduler is not None:
+            scheduler.step()
+        yield step, value
+
+
 def lowprec_named_params(model: torch.nn.Module, config: TrainConfig) -> Dict[str, torch.Tensor]:
     """The parameters the config keeps in low precision (``config.lowprec_params``), by name."""
     chosen = {id(p) for p in select_params(model.parameters(), config.lowprec_params)}
@@ -129,23 +157,21 @@ def _run_steps(variant: str, model: torch.nn.Module, task: Task, config: TrainCo
         planner = FreezeWatch(model, opt, formats=(config.format,), scheduler=sched, total_steps=config.steps)
     start = datetime.now()
     bar = progress_bar(range(config.steps), desc=f"{variant:>10}", disable=not progress, position=position)
-    for step in bar:
-        model.train()
-        batch = task.batch(step)
-        if dist_info.enabled and task.shard is not None:
-            batch = task.shard(batch, dist_info.rank, dist_info.world_size)
-        loss = task.loss(net, batch)
+    tracker = predictor or observer
+    shard = task.shard if dist_info.enabled and task.shard is not None else None
+
+    def batch(step):
+        return task.batch(step) if shard is None else shard(task.batch(step), dist_info.rank, dist_info.world_size)
+
+    def before_step():
+        tracker.before_step()
+        record.lr.append(opt.param_groups[0]["lr"])
+
+    for step, loss in train_steps(model, opt, bar, batch, lambda b: task.loss(net, b), sched, before_step,
+                                  tracker.after_step):
         loss_value = mean_over_ranks(loss.detach(), dist_info)
         if not torch.isfinite(loss_value):
             raise FloatingPointError(f"{variant}: loss became {loss_value.item()} at step {step}")
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        tracker = predictor or observer
-        tracker.before_step()
-        record.lr.append(opt.param_groups[0]["lr"])
-        opt.step()
-        tracker.after_step()
-        sched.step()
         if planner is not None and step == plan_at - 1:
             record.plan = planner.plan(config.format, budget=config.plan_budget).to_dict()
             planner.detach()

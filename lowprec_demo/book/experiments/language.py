@@ -32,11 +32,11 @@ class LanguageModelOptions(ExperimentOptions):
     eval_batches: int = 4
 
 
-def decay_groups(model: torch.nn.Module, config: TrainConfig) -> list:
-    """nanoGPT's optimizer groups: weight decay on tensors with 2 or more dimensions (matrices and
-    embeddings), none on biases and LayerNorm parameters."""
+def decay_groups(model: torch.nn.Module, weight_decay: float) -> list:
+    """nanoGPT's optimizer groups: ``weight_decay`` on tensors with 2 or more dimensions (matrices and
+    embeddings), none on biases and LayerNorm parameters. The book's GPT runs and its fine-tune use them."""
     params = [p for p in model.parameters() if p.requires_grad]
-    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": config.weight_decay},
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
 
 
@@ -67,5 +67,5 @@ def gpt_task(config: TrainConfig, options: LanguageModelOptions, model_config, t
         return {"val_loss": sum(losses) / len(losses)}
 
     return Task(make_model=lambda gen: GPT(model_config, generator=gen), batch=batches.get_batch, loss=loss,
-                evaluate=evaluate if eval_batches > 0 else None, param_groups=decay_groups, shard=shard_rows,
+                evaluate=evaluate if eval_batches > 0 else None, param_groups=lambda model, config: decay_groups(model, config.weight_decay), shard=shard_rows,
                 description=description)
