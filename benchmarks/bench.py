@@ -50,12 +50,13 @@ import math
 import statistics
 import sys
 import time
+import warnings
 from typing import Dict, List, Optional
 
 import torch
 
-from lowprec_demo.rounding import bits as bit_kernels, kernels
-from lowprec_demo.rounding.rule import RoundParams, round_params
+from lowprec_demo.rounding import freeze_rule, round_to_grid
+from lowprec_demo.rounding.round_to_grid import RoundParams, hash32, nearest_bits, round_params, stochastic_bits
 from bench_report import report, summary
 from lowprec_demo.book.experiments import get_experiment, make_config
 from lowprec_demo.formats import get_format
@@ -63,7 +64,7 @@ from machine import compiler_vector_width, cpu_vector_extensions, load_average, 
 from lowprec_demo.optim.optimizer import LowPrecisionOptimizer
 from lowprec_demo.freeze.prediction import FreezeObserver, FreezePredictor
 from lowprec_demo.monitor.freeze_watch import watch
-from lowprec_demo.rounding.core import quantize
+from lowprec_demo.rounding import quantize, quantize_
 from lowprec_demo.book.results import atomic_write_json
 from timing import median_times, peak_extra_bytes
 from lowprec_demo.optim.plan import FreezePlan, load_plan
@@ -97,17 +98,41 @@ STEP_SECONDS = 0.25   # a training step shorter than this is timed over several 
 # compiling
 # ------------------------------------------------------------------------------------------------
 def warm_up(device: str) -> dict:
-    """Compile every fused kernel and time each first call."""
+    """Compile every kernel the package uses (the four versions of the step kernel among them) and time each first
+    call."""
+    x = torch.randn(4096, device=device)
+    fmt, zero = get_format("e5m3"), torch.zeros((), device=device)
+    ids, grad = torch.arange(4096, dtype=torch.int32, device=device) % 2, torch.randn_like(x)
+    calls = {
+        "nearest": lambda: quantize(x, fmt), "nearest_": lambda: quantize_(x.clone(), fmt),
+        "stochastic": lambda: quantize(x, fmt, "stochastic", generator=1),
+        "stochastic_": lambda: quantize_(x.clone(), fmt, "stochastic", generator=1),
+        "step (one tensor)": lambda: freeze_rule.step_codes(x, x + 1e-3, None, zero.to(torch.int32), None, fmt,
+                                                           moves_sum=True, octaves=True),
+        "step (a pack)": lambda: freeze_rule.step_codes(x, x + 1e-3, None, ids, None, fmt, moves_sum=True,
+                                                       octaves=True),
+        "step (one learning rate)": lambda: freeze_rule.step_codes(x, x + 1e-3, grad, ids, zero, fmt),
+        "step (one per tensor)": lambda: freeze_rule.step_codes(x, x + 1e-3, grad, ids, torch.zeros(2, device=device),
+                                                               fmt),
+        "equal_count": lambda: freeze_rule.equal_count(x, x + 1e-3),
+        "changed_blocks": lambda: freeze_rule.changed_blocks(x, x + 1e-3)}
+    seconds, failed = {}, {}
+    previous = round_to_grid.set_mode("on")
     start = time.perf_counter()
-    kernels.compile_all(device)
-    wall = time.perf_counter() - start
-    table = kernels.status()["kernels"]
-    dev = torch.device(device).type
-    seconds = {k: v["compile_seconds"].get(dev) for k, v in table.items()}
-    # (the first call of each kernel in this process, whenever it happened)
-    return {"total_seconds": sum(v for v in seconds.values() if v is not None), "seconds": seconds,
-            "wall_seconds_now": wall,
-            "failed": {k: v["failed"][dev] for k, v in table.items() if dev in v["failed"]}}
+    try:
+        for name, call in calls.items():
+            begin = time.perf_counter()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", RuntimeWarning)
+                call()
+            if x.device.type == "cuda":
+                torch.cuda.synchronize()
+            seconds[name] = time.perf_counter() - begin
+            failed.update({name: str(w.message) for w in caught if "compiling the" in str(w.message)})
+    finally:
+        round_to_grid.set_mode(previous)
+    return {"total_seconds": sum(seconds.values()), "seconds": seconds, "wall_seconds_now": time.perf_counter() - start,
+            "failed": failed}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -126,12 +151,12 @@ def bench_quantize(n: int, device: str, repeats: int, eager: bool = True) -> Lis
         for rounding in ("nearest", "stochastic"):
             cases = {"native": natives[ref_dtype],
                      "quantize": lambda f=name, r=rounding: quantize(x, f, r, generator=1)}
-            previous = kernels.set_mode("on")
+            previous = round_to_grid.set_mode("on")
             try:
                 t = median_times(cases, device, repeats)
                 extra = peak_extra_bytes(cases["quantize"], device)
             finally:
-                kernels.set_mode(previous)
+                round_to_grid.set_mode(previous)
             row = {"format": name, "rounding": rounding, "n": n,
                    "native_dtype": str(ref_dtype).replace("torch.", ""), "native_is_own_dtype": dtype is not None,
                    "native_ms": t["native"] * 1e3, "quantize_ms": t["quantize"] * 1e3,
@@ -139,7 +164,7 @@ def bench_quantize(n: int, device: str, repeats: int, eager: bool = True) -> Lis
                    "quantize_GBps": 8 * n / t["quantize"] / 1e9, "native_GBps": 8 * n / t["native"] / 1e9,
                    "extra_memory_inputs": None if extra is None else extra / (4 * n)}
             if eager:
-                previous = kernels.set_mode("off")
+                previous = round_to_grid.set_mode("off")
                 try:
                     # the cold path: the same functions uncompiled, timed in the same rounds as
                     # the native round trip
@@ -147,7 +172,7 @@ def bench_quantize(n: int, device: str, repeats: int, eager: bool = True) -> Lis
                     row.update(eager_ms=t["quantize"] * 1e3, eager_native_ms=t["native"] * 1e3,
                                eager_ratio=t["quantize"] / t["native"])
                 finally:
-                    kernels.set_mode(previous)
+                    round_to_grid.set_mode(previous)
             rows.append(row)
     return rows
 
@@ -157,7 +182,7 @@ def _hash_only(bits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     (for the split)."""
     q = RoundParams.read(p)
     r = torch.arange(bits.numel(), dtype=torch.int32, device=bits.device) + q.index_offset
-    return bit_kernels.hash32(r, q.seed_lo, q.seed_hi)
+    return hash32(r, q.seed_lo, q.seed_hi)
 
 
 def bench_split(n: int, device: str, repeats: int) -> dict:
@@ -176,7 +201,7 @@ def bench_split(n: int, device: str, repeats: int) -> dict:
     pn = round_params(fmt).tensor(device)
     ps = round_params(fmt, seed=1).tensor(device)
     compiled = {name: torch.compile(fn, dynamic=True, fullgraph=True)
-                for name, fn in (("nearest", bit_kernels.rne_bits), ("hash", _hash_only), ("stochastic", bit_kernels.sr_bits))}
+                for name, fn in (("nearest", nearest_bits), ("hash", _hash_only), ("stochastic", stochastic_bits))}
     cases = {"copy": lambda: x.clone(), "native": lambda: x.to(torch.bfloat16).float(),
              "nearest": lambda: compiled["nearest"](bits, pn), "hash": lambda: compiled["hash"](bits, ps),
              "stochastic": lambda: compiled["stochastic"](bits, ps)}
@@ -193,7 +218,7 @@ def bench_split(n: int, device: str, repeats: int) -> dict:
 _FIRST_CALL = """
 import json, sys, time, torch
 torch.set_num_threads({threads})
-from lowprec_demo.rounding import kernels
+from lowprec_demo.rounding import round_to_grid
 from lowprec_demo import quantize
 x = torch.randn({n}, device={device!r})
 out = {{}}
@@ -202,10 +227,11 @@ for fmt, rounding in (("bf16", "stochastic"), ("e5m3", "nearest")):
     quantize(x, fmt, rounding, generator=1)
     if {device!r}.startswith("cuda"):
         torch.cuda.synchronize()
-    kernel = kernels.status()["kernels"][rounding]
-    out[fmt + " " + rounding] = {{"seconds": time.perf_counter() - start, "calls": kernel["calls"],
-                                  "compile_seconds": kernel["compile_seconds"].get(torch.device({device!r}).type)}}
-out["mode"] = kernels.get_mode()
+    kernel = round_to_grid.stochastic_bits if rounding == "stochastic" else round_to_grid.nearest_bits
+    compiled = round_to_grid._compiled.get((kernel, torch.device({device!r}).type)) is not None
+    out[fmt + " " + rounding] = {{"seconds": time.perf_counter() - start,
+                                  "calls": {{"compiled": int(compiled), "eager": int(not compiled)}}}}
+out["mode"] = round_to_grid.get_mode()
 print(json.dumps(out))
 """
 
@@ -215,7 +241,7 @@ def bench_first_call(n: int, device: str) -> dict:
     fused kernels' mode as the environment leaves it, by default ``"auto"``) times its first
     ``quantize(x, "bf16", "stochastic")`` and then its first nearest e5m3 on ``n`` float32
     elements, compiling included if the mode compiles, and says which way each ran (the
-    kernel's compiled and eager calls, :func:`lowprec_demo.kernels.status`)."""
+    kernel's compiled and eager calls)."""
     import subprocess
     code = _FIRST_CALL.format(threads=torch.get_num_threads(), n=n, device=device)
     try:
@@ -423,7 +449,7 @@ def bench_scale(sizes: List[int], device: str, repeats: int) -> List[dict]:
     """quantize time per element against tensor size: native bf16 round trip, nearest e5m3,
     stochastic bf16."""
     rows = []
-    previous = kernels.set_mode("on")
+    previous = round_to_grid.set_mode("on")
     try:
         for n in sizes:
             x = torch.randn(n, device=device)
@@ -434,7 +460,7 @@ def bench_scale(sizes: List[int], device: str, repeats: int) -> List[dict]:
             rows.append({"n": n, **{f"{k} ms": v * 1e3 for k, v in t.items()},
                          **{f"{k} ns/element": v * 1e9 / n for k, v in t.items()}})
     finally:
-        kernels.set_mode(previous)
+        round_to_grid.set_mode(previous)
     return rows
 
 
@@ -466,7 +492,7 @@ def run(device: str = "cpu", quick: bool = False, size: Optional[int] = None, re
         say("compiling the fused kernels ...")
         result["compile"] = warm_up(device)
     else:
-        result["compile"] = {"skipped": f"compile_kernels=False (kernel mode {kernels.get_mode()!r})"}
+        result["compile"] = {"skipped": f"compile_kernels=False (kernel mode {round_to_grid.get_mode()!r})"}
     say(f"quantize, {size} elements ...")
     result["quantize"] = bench_quantize(size, device, repeats, eager=eager)
     say("where the warm stochastic rounding's time goes ...")
@@ -482,30 +508,30 @@ def run(device: str = "cpu", quick: bool = False, size: Optional[int] = None, re
         say(f"training steps: {name} ...")
         # small models: many short rounds (their steps are milliseconds); GPT-2 on a CPU: a few
         train_repeats = (3 if quick else 15) if (name == "gpt2" and not on_gpu) else (15 if quick else 40)
-        previous = kernels.set_mode("on")
+        previous = round_to_grid.set_mode("on")
         try:
             t = bench_training(name, device, train_repeats, variants, plan)
         finally:
-            kernels.set_mode(previous)
+            round_to_grid.set_mode(previous)
         if eager and name == "nanogpt-quick":
-            previous = kernels.set_mode("off")
+            previous = round_to_grid.set_mode("off")
             try:
                 t["eager_ratio"] = bench_training(name, device, train_repeats, variants, plan)["ratio"]
             finally:
-                kernels.set_mode(previous)
+                round_to_grid.set_mode(previous)
         result["training"].append(t)
     if scale_sizes:
         say("scale ...")
         result["scale"] = bench_scale(scale_sizes, device, max(3, repeats // 2))
         sized = [t for t in result["training"]]
         if not quick and "shakespeare-char" not in models:
-            previous = kernels.set_mode("on")
+            previous = round_to_grid.set_mode("on")
             try:
                 sized.append(bench_training("shakespeare-char", device, 10))
             finally:
-                kernels.set_mode(previous)
+                round_to_grid.set_mode(previous)
         result["model_scale"] = sorted(sized, key=lambda t: t["params"])
-    result["fused"] = kernels.status()
+    result["fused"] = {"mode": round_to_grid.get_mode(), "torch": torch.__version__}
     result["machine"]["load_average_end"] = load_average()
     return result
 

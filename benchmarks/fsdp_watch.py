@@ -11,7 +11,7 @@ plain AdamW (the watch predicts bf16). Per setting, the median over ``ROUNDS`` f
 ``STEPS`` timed steps of: the whole step (wall), the watch's two hooks (wall and the main thread's
 CPU time) and, within them, the all_reduce (wall and CPU), and the whole step's main-thread CPU
 time: on a machine whose cores are shared the CPU times are the steadier measure. The rounding
-kernels run eagerly (``kernels.set_mode("off")``), so that no setting compiles them halfway
+kernels run eagerly (``round_to_grid.set_mode("off")``), so that no setting compiles them halfway
 through. ``SAMPLE=all`` follows every element instead of at most 16,384 per tensor. Rank 0 prints
 one JSON line.
 """
@@ -26,7 +26,7 @@ import torch.distributed as dist
 import lowprec_demo as lp
 
 torch.set_num_threads(1)
-lp.rounding.kernels.set_mode("off")
+lp.rounding.round_to_grid.set_mode("off")
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
 if WORLD > 1:
     dist.init_process_group("gloo")

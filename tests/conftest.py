@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lowprec_demo.rounding import kernels
+from lowprec_demo.rounding import round_to_grid
 
 # variables whose value changes what the package loads or computes
 WATCHED_ENV_PREFIXES = ("LOWPREC_", "OMP_", "MKL_")
@@ -33,7 +33,7 @@ def _snapshot() -> dict:
         "torch default dtype": torch.get_default_dtype(),
         "torch deterministic algorithms": torch.are_deterministic_algorithms_enabled(),
         "torch grad mode": torch.is_grad_enabled(),
-        "kernel compile mode": kernels.get_mode(),
+        "kernel compile mode": round_to_grid.get_mode(),
         "environment": {k: v for k, v in os.environ.items() if k.startswith(WATCHED_ENV_PREFIXES)},
     }
 
@@ -43,7 +43,7 @@ def _restore(before: dict) -> None:
     torch.set_default_dtype(before["torch default dtype"])
     torch.use_deterministic_algorithms(before["torch deterministic algorithms"])
     torch.set_grad_enabled(before["torch grad mode"])
-    kernels.set_mode(before["kernel compile mode"])
+    round_to_grid.set_mode(before["kernel compile mode"])
     for key in [k for k in os.environ if k.startswith(WATCHED_ENV_PREFIXES)]:
         if key not in before["environment"]:
             del os.environ[key]

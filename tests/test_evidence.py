@@ -16,7 +16,7 @@ from lowprec_demo.book import training
 from lowprec_demo.book.experiments import get_experiment, make_config
 from lowprec_demo.freeze.agreement import mask_mismatch, stratified_chance_mismatch
 from lowprec_demo.freeze.prediction import FreezeObserver, FreezePredictor
-from lowprec_demo.rounding.core import quantize
+from lowprec_demo.rounding import quantize
 
 
 def _sequential(name, cfg):
@@ -75,7 +75,7 @@ def test_fast_mask_is_would_freeze_bit_for_bit(fmt):
     weights and updates of every size, the exact ties on both sides, zeros, the power-of-two
     edges and the largest values."""
     from lowprec_demo.freeze.prediction import _frozen_mask
-    from lowprec_demo.rounding.core import ulp
+    from lowprec_demo.rounding import ulp
     f = lp.get_format(fmt)
     g = torch.Generator().manual_seed(7)
     w = torch.randn(200_000, generator=g) * torch.exp2(torch.randint(-12, 4, (200_000,), generator=g).float())

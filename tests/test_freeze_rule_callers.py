@@ -3,7 +3,7 @@ that decides "does this update freeze" or "how likely does stochastic rounding m
 the exact ``fractions.Fraction`` reference of ``tests/exact_reference.py``.
 
 Callers: ``rounding.would_freeze`` and ``rounding.move_probability`` (a weight and an update);
-the freeze kernel ``bit_kernels.step_code_fp32`` (the code's frozen bit, and the move probability of
+the step kernel ``freeze_rule.step_codes`` (the code's frozen bit, and the move probability of
 each element, with and without few-bit resolution); ``FreezePredictor`` (its kept masks and its
 move share); the freeze watch (its frozen and move shares); ``LowPrecisionOptimizer`` with round to
 nearest (a stored weight that did not change). The cases: +-max with outward and inward updates
@@ -24,8 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import exact_reference as ER  # noqa: E402
 
 import lowprec_demo as lp  # noqa: E402
-from lowprec_demo.rounding import bits as bit_kernels  # noqa: E402
-from lowprec_demo.rounding.rule import bin_thresholds, rule_params  # noqa: E402
+from lowprec_demo.rounding.freeze_rule import step_codes  # noqa: E402
 
 FORMATS = ["e4m3", "e5m2", "bf16", "fp16"]
 FACTORS = [0.0, 0.125, 0.25, 0.5, 0.75, 1.0, 1.5, 3.0]   # updates in ulps of the weight, both signs
@@ -108,10 +107,9 @@ def test_the_freeze_kernel_is_the_exact_rule(key):
     fmt = lp.get_format(key)
     old, new = cases(fmt)
     for k in (None, 3):
-        p = rule_params(fmt, k).tensor()
-        zero, unshifted = torch.zeros(()), bin_thresholds()
+        zero = torch.zeros((), dtype=torch.int32)
         for i in range(len(old)):
-            code, moves = bit_kernels.step_code_fp32(old[i:i + 1], new[i:i + 1], None, zero.to(torch.int32), unshifted, p)
+            code, moves = step_codes(old[i:i + 1], new[i:i + 1], None, zero, None, fmt, k)
             moved = moves.item()
             w, d = old[i].item(), (new[i] - old[i]).item()
             want_frozen, want_move = reference(w, d, fmt, k)

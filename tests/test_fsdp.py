@@ -244,7 +244,7 @@ def _worker(out_path: str) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("rand_bits", [None, 3])
 def test_a_piece_with_its_offset_draws_the_whole_tensors_bits(dtype, rand_bits):
-    from lowprec_demo.rounding.core import quantize, quantize_, random_bits
+    from lowprec_demo.rounding import quantize, quantize_, random_bits
     x = (1 + torch.randn(300, 5, generator=torch.Generator().manual_seed(0)) * 1e-3).to(dtype)
     whole = quantize(x, "bf16", "stochastic", generator=9, rand_bits=rand_bits)
     assert not torch.equal(whole, quantize(x, "bf16"))        # SR moved some elements nearest keeps
@@ -261,7 +261,7 @@ def test_a_piece_with_its_offset_draws_the_whole_tensors_bits(dtype, rand_bits):
 
 
 def test_a_bad_index_offset_is_refused():
-    from lowprec_demo.rounding.core import quantize
+    from lowprec_demo.rounding import quantize
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="index_offset must be a non-negative integer"):
             quantize(torch.ones(3), "bf16", "stochastic", generator=1, index_offset=bad)

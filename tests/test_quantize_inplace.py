@@ -12,8 +12,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import test_rounding as TR  # the exhaustive point sets and helpers
 
-from lowprec_demo.rounding import kernels
-from lowprec_demo.rounding.core import quantize, quantize_
+from lowprec_demo.rounding import round_to_grid
+from lowprec_demo.rounding import quantize, quantize_
 
 pytestmark = [pytest.mark.filterwarnings("ignore:invalid value encountered in cast:RuntimeWarning"),
               pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")]
@@ -41,7 +41,7 @@ def test_quantize_in_place_is_quantize_on_the_exhaustive_points(key, policy):
 def test_stochastic_quantize_in_place_is_quantize(mode, key):
     fmt = TR.SR_FORMATS.get(key) or TR.EXHAUSTIVE[key]
     x = torch.from_numpy(np.concatenate([TR.random_fp32(3000, 4), TR.focused(fmt, 3000, 5, np.float32)]).astype(np.float32))
-    previous = kernels.set_mode(mode)
+    previous = round_to_grid.set_mode(mode)
     try:
         for policy in TR.policies(fmt):
             for k in (None, 3):
@@ -54,7 +54,7 @@ def test_stochastic_quantize_in_place_is_quantize(mode, key):
                 quantize_(y, fmt, "stochastic", generator=g1, rand_bits=k, overflow=policy)
                 assert same_bits(y, quantize(x, fmt, "stochastic", generator=g2, rand_bits=k, overflow=policy))
     finally:
-        kernels.set_mode(previous)
+        round_to_grid.set_mode(previous)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16])

@@ -1,4 +1,4 @@
-"""Tests of lowprec_demo.rounding.core against the exact reference (tests/exact_reference.py), torch's
+"""Tests of lowprec_demo.rounding against the exact reference (tests/exact_reference.py), torch's
 casts and ml_dtypes' casts.
 
 Three oracles:
@@ -12,7 +12,7 @@ Three oracles:
 
 ``quantize`` takes a native shortcut (``x.to(dtype)``) for fp32 input to bf16 / fp16 / E4M3 / E5M2,
 so the package's own code is also called directly (the round-to-nearest kernel
-``rounding.bits.rne_bits`` run eagerly, as ``quantize`` runs it where there is no native cast)
+``rounding.round_to_grid.nearest_bits`` run eagerly, as ``quantize`` runs it where there is no native cast)
 and checked against all three oracles.
 Results are compared bit for bit in the output dtype, any NaN matching any NaN.
 
@@ -33,10 +33,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import exact_reference as ref
 
-from lowprec_demo.rounding import bits as bit_kernels, core as R
+from lowprec_demo.rounding import round_to_grid as R
 from lowprec_demo.formats import FloatFormat, get_format
-from lowprec_demo.rounding.rule import LAYOUTS as BIT_LAYOUTS, round_params
-from lowprec_demo.rounding.core import move_probability, quantize, random_bits, ulp, update_ulp_ratio, would_freeze
+from lowprec_demo.rounding.round_to_grid import LAYOUTS as BIT_LAYOUTS, nearest_bits, round_params
+from lowprec_demo.rounding import move_probability, quantize, random_bits, ulp, update_ulp_ratio, would_freeze
 
 SIGMAS = 5.0
 
@@ -135,7 +135,8 @@ def generic_nearest(x, fmt, policy=None):
     """The package's own round-to-nearest (the kernel function run eagerly), as quantize runs it
     when there is no native cast."""
     layout = BIT_LAYOUTS[x.dtype]
-    return bit_kernels.round_nearest(x, round_params(get_format(fmt), policy, layout=layout).tensor(x.device, layout))
+    p = round_params(get_format(fmt), policy, layout=layout).tensor(x.device, layout)
+    return nearest_bits(x.view(layout.itype), p).view(x.dtype)
 
 
 def torch_cast(x32, fmt):
@@ -1038,21 +1039,18 @@ def test_sr_of_float64_draws_the_float32_stream(key):
 
 def test_sr_index_offset_counts_modulo_2_32():
     """Element i of a call with ``index_offset`` draws the hash of ``index_offset + i`` modulo
-    2**32, across 2**31 too, whole or in pieces, eagerly in slices or not."""
-    from lowprec_demo.rounding import kernels
+    2**32, across 2**31 too, whole or in pieces, compiled or eagerly."""
     x = torch.rand(3000, dtype=torch.float64) * 4
     for dtype in (torch.float32, torch.float64):
         t = x.to(dtype)
         whole = quantize(t, "bf16", "stochastic", generator=3, index_offset=2**31 - 1000)
         assert torch.equal(quantize(t[1000:], "bf16", "stochastic", generator=3, index_offset=2**31), whole[1000:])
         assert torch.equal(quantize(t, "bf16", "stochastic", generator=3, index_offset=2**32 + 2**31 - 1000), whole)
-        chunk, kernels.EAGER_CHUNK = kernels.EAGER_CHUNK, 999
-        previous = kernels.set_mode("off")
+        previous = R.set_mode("off")
         try:
             assert torch.equal(quantize(t, "bf16", "stochastic", generator=3, index_offset=2**31 - 1000), whole)
         finally:
-            kernels.EAGER_CHUNK = chunk
-            kernels.set_mode(previous)
+            R.set_mode(previous)
     # moves exactly where the public hash says (1 + f * 2**-7 moves up when the top 16 bits are below f)
     frac = torch.randint(0, 1 << 16, (3000,), generator=torch.Generator().manual_seed(0))
     y = quantize(1.0 + frac.double() * 2.0**-23, "bf16", "stochastic", generator=9, index_offset=2**32 - 1500)
@@ -1316,7 +1314,7 @@ def test_decay_rounds_back_is_the_rounding_of_beta_times_v(key):
     """At and above 2**-(m+1), beta * v moves every grid value of a binade; just below it the
     value just above the power of two stays (the largest relative half gap of a grid value is
     2**-(m+1) / (1 + 2**-m)); below 2**-(m+2) every value stays."""
-    from lowprec_demo.rounding.core import decay_rounds_back
+    from lowprec_demo.rounding import decay_rounds_back
     fmt = get_format(key)
     m = fmt.man_bits
     grid = quantize(torch.linspace(1.0, 2.0, 4001, dtype=torch.float64)[:-1], fmt).unique()

@@ -131,7 +131,7 @@ def test_what_changed_names_the_code_cells_and_the_module():
 
 
 def test_every_module_of_the_package_has_a_digest_and_a_gone_one_is_gone():
-    assert len(stored_outputs.module_digest("lowprec_demo.rounding.rule")) == 16
+    assert len(stored_outputs.module_digest("lowprec_demo.rounding.freeze_rule")) == 16
     assert stored_outputs.module_digest("lowprec_demo.no_such_module") == "gone"
 
 

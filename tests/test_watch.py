@@ -593,8 +593,8 @@ def test_one_learning_rate_for_all_tensors_gives_the_same_codes():
     # the watch passes one log learning rate when every group has the same: the codes are those of
     # one value per tensor, compiled and eager, and the bins those of ceil(8 (log2 ratio - log lr - edge))
     # clamped to the bins (within one eighth in at most a few elements), NaN in a slot of its own
-    from lowprec_demo.rounding import kernels
-    from lowprec_demo.rounding.rule import BINS
+    from lowprec_demo.rounding import round_to_grid
+    from lowprec_demo.rounding.freeze_rule import BINS, step_codes
     from lowprec_demo.monitor.forecast import EDGES
     torch.manual_seed(0)
     n, fmt, bins, first = 3000, lp.get_format("bf16"), len(EDGES) + 1, float(EDGES[0])
@@ -615,12 +615,12 @@ def test_one_learning_rate_for_all_tensors_gives_the_same_codes():
     # float64: exact at the edges that matter here (powers of two); NaN in its own slot
     want = torch.ceil((torch.log2(ratio.double()) - one.double() - first) * 8).clamp(0, bins - 1).nan_to_num(nan=bins)
     for mode in ("off", "on"):
-        previous = kernels.set_mode(mode)
+        previous = round_to_grid.set_mode(mode)
         try:
-            per_tensor = kernels.step_code(old, new, grad, tensor_id, one.expand(3).clone(), fmt)
-            shared = kernels.step_code(old, new, grad, tensor_id, one, fmt)
+            per_tensor = step_codes(old, new, grad, tensor_id, one.expand(3).clone(), fmt)
+            shared = step_codes(old, new, grad, tensor_id, one, fmt)
         finally:
-            kernels.set_mode(previous)
+            round_to_grid.set_mode(previous)
         assert torch.equal(per_tensor[0], shared[0])
         assert torch.equal(per_tensor[1].view(torch.int32), shared[1].view(torch.int32))
         off = ((shared[0] >> 2) % (bins + 1) - want.to(torch.int32)).abs()

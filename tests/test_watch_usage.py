@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import lowprec_demo as lp
-from lowprec_demo.rounding import kernels
+from lowprec_demo.rounding import round_to_grid
 from lowprec_demo.book.cli import main
 from lowprec_demo.monitor.diagnoses import Diagnosis, group_lines
 
@@ -222,7 +222,7 @@ def test_torch_dtypes_are_formats_wherever_the_watch_takes_one():
         assert lp.watch(model, opt, formats=(torch.float8_e4m3fn, torch.float8_e5m2)).formats == ["e4m3", "e5m2"]
     with pytest.raises(ValueError, match=r"torch\.int8 stores no format.*torch\.bfloat16"):
         lp.watch(model, opt, formats=(torch.int8,))
-    saved = lp.monitor.report.WatchReport(lp.monitor.report.jsonable(w.to_dict()))
+    saved = w.report()
     assert saved.rows(torch.float16)[0]["format"] == "fp16"
 
 
@@ -235,7 +235,7 @@ def test_cosine_annealing_run_length_is_t_max():
     w = lp.watch(model, opt, scheduler=sched)
     assert w.total_steps == 300
     train(model, opt, 3, sched=sched)
-    curve = w.forecast_curves()["overall"]
+    curve = lp.monitor.forecast.forecast_curves(w)["overall"]
     assert max(curve) == 299                 # the last optimizer step of a 300-step run
 
 
@@ -280,35 +280,28 @@ def test_hf_values_reach_log_history_and_tensorboard(tmp_path):
 # ---- compiling up front -----------------------------------------------------------------------
 
 def test_auto_mode_compiles_the_watch_kernel_at_the_first_step_when_the_run_would(monkeypatch, capsys):
-    old = kernels._KERNELS["step_code"]
-    monkeypatch.setitem(kernels._KERNELS, "step_code", kernels._Kernel(old.fn, "step_code"))
-    previous = kernels.set_mode("auto")
+    monkeypatch.setattr(round_to_grid, "_eager_work", {})
+    monkeypatch.setattr(round_to_grid, "EAGER_BUDGET", 5000)
+    previous = round_to_grid.set_mode("auto")
     try:
-        monkeypatch.setattr(kernels, "EAGER_BUDGET", 5000)
         model = tiny_model()
         n = sum(p.numel() for p in model.parameters())
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         # a short run stays under the budget: eager, no word
         short = lp.watch(model, opt, total_steps=2)
         train(model, opt, 1)
-        assert "compiling" not in capsys.readouterr().err
-        assert kernels.status()["kernels"]["step_code"]["calls"]["compiled"] == 0 and n * 2 < 5000
+        assert "compiling" not in capsys.readouterr().err and n * 2 < 5000
         short.detach()
         # a run whose watched elements would pass it part way: compiled at the first step, said once
         w = lp.watch(model, opt, total_steps=100)
         train(model, opt, 1)
         err = capsys.readouterr().err
         assert err.count("freeze watch: compiling its kernel now") == 1 and "100 watched steps" in err
-        state = kernels.status()["kernels"]["step_code"]
-        assert "cpu" in state["compiled"] or "cpu" in state["failed"], state     # compiled (or no compiler here)
-        eager = state["calls"]["eager"]
         train(model, opt, 3)
         assert "compiling" not in capsys.readouterr().err
-        if "cpu" in state["compiled"]:
-            assert kernels.status()["kernels"]["step_code"]["calls"]["eager"] == eager   # no mid-run compile
         assert w.steps == [0, 1, 2, 3]
     finally:
-        kernels.set_mode(previous)
+        round_to_grid.set_mode(previous)
 
 
 # ---- diagnoses --------------------------------------------------------------------------------

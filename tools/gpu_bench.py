@@ -49,10 +49,12 @@ def check_bits(device: str, mode: str = "on", n_random: int = 50_000, stride: in
     import numpy as np
     import torch
 
-    from lowprec_demo.rounding import bits as bit_kernels, kernels
     from lowprec_demo.formats import get_format
-    from lowprec_demo.rounding.rule import round_params, rule_params
-    from lowprec_demo.rounding.core import quantize
+    from lowprec_demo.rounding import freeze_rule, quantize, round_to_grid
+    from lowprec_demo.rounding.round_to_grid import nearest_bits, round_params, run, stochastic_bits
+
+    def on_device(kernel, x, p):   # a rounding kernel on float32 numbers, compiled or not as the mode says
+        return run(kernel, x.reshape(-1).view(torch.int32), p.to(x.device)).view(torch.float32)
 
     def exact_nearest(x, fmt, policy):   # float64 on the CPU: the package's exact route
         return quantize(x.cpu().double(), fmt, overflow=policy).float()
@@ -85,7 +87,7 @@ def check_bits(device: str, mode: str = "on", n_random: int = 50_000, stride: in
         return int((a.isnan() != b.isnan()).sum()) + int((a[~nan].view(torch.int32) != b[~nan].view(torch.int32)).sum())
 
     out = {"mode": mode}
-    previous = kernels.set_mode(mode)
+    previous = round_to_grid.set_mode(mode)
     try:
         out["point_sets"] = ("exhaustive (tests/test_rounding.py)" if TR is not None
                              else f"bit patterns, stride {stride or 4093}")
@@ -95,20 +97,21 @@ def check_bits(device: str, mode: str = "on", n_random: int = 50_000, stride: in
             rnd = random_inputs(fmt, n_random)
             row = {"points": len(pts), "random": len(rnd)}
             for policy in policies(fmt):
-                row[f"nearest_{policy}"] = differ(kernels.nearest(pts.to(device), fmt, policy),
+                row[f"nearest_{policy}"] = differ(on_device(nearest_bits, pts.to(device), round_params(fmt, policy).tensor()),
                                                   exact_nearest(pts, fmt, policy))
                 for k in (None, 3):
                     p = round_params(fmt, policy, k, 2024).tensor()
-                    row[f"stochastic_{policy}_k{k}"] = differ(kernels.stochastic(rnd.to(device), fmt, policy, k, 2024),
-                                                              bit_kernels.round_stochastic(rnd, p))
+                    row[f"stochastic_{policy}_k{k}"] = differ(on_device(stochastic_bits, rnd.to(device), p),
+                                                              on_device(stochastic_bits, rnd, p))
             old = rnd.nan_to_num(0.0, 0.0, 0.0)
             new = (old * (1 + 2.0**-9) + 1e-7).nan_to_num(0.0, 0.0, 0.0)
             zero = torch.zeros((), dtype=torch.int32, device=device)
             # the predictor's call: whole octaves in a byte per element, the move probabilities summed in the same pass
-            code, moved = kernels.step_code(old.to(device), new.to(device), None, zero, None, fmt, 3, moves_sum=True,
-                                            octaves=True)
-            p = rule_params(fmt, 3).tensor()
-            want_code, want_moves = bit_kernels.step_code_fp32(old, new, None, zero.cpu(), None, p)
+            code, moved = freeze_rule.step_codes(old.to(device), new.to(device), None, zero, None, fmt, 3,
+                                                 moves_sum=True, octaves=True)
+            eager = round_to_grid.set_mode("off")
+            want_code, want_moves = freeze_rule.step_codes(old, new, None, zero.cpu(), None, fmt, 3, octaves=True)
+            round_to_grid.set_mode(eager)
             # every code exactly: the frozen bit and the octave
             row["step_code"] = int((code.cpu() != want_code).sum())
             want_moved = want_moves.double().sum()
@@ -116,16 +119,16 @@ def check_bits(device: str, mode: str = "on", n_random: int = 50_000, stride: in
             out[key] = row
         # quantize end to end, as users call it (nearest float8 takes the fused kernel on the GPU)
         x = random_inputs(get_format("e4m3"), 100_000)
-        out["quantize_e4m3_vs_cpu"] = differ(kernels.nearest(x.to(device), get_format("e4m3"), "saturate"),
+        out["quantize_e4m3_vs_cpu"] = differ(quantize(x.to(device), get_format("e4m3"), overflow="saturate"),
                                              exact_nearest(x, get_format("e4m3"), "saturate"))
     finally:
-        kernels.set_mode(previous)
+        round_to_grid.set_mode(previous)
     out["total_differences"] = sum(v for row in out.values() if isinstance(row, dict)
                                    for k, v in row.items() if k not in ("points", "random", "moved_relative_error")) + \
         out["quantize_e4m3_vs_cpu"]
     out["moved_relative_error_max"] = max(row["moved_relative_error"] for row in out.values()
                                           if isinstance(row, dict) and "moved_relative_error" in row)
-    out["fused_status"] = kernels.status()
+    out["fused_status"] = {"mode": round_to_grid.get_mode()}
     return out
 
 
@@ -173,22 +176,22 @@ def main(argv=None) -> int:
         except Exception as error:
             result["triton"] = f"not importable: {error}"
         import bench
-        from lowprec_demo.rounding import kernels
+        from lowprec_demo.rounding import round_to_grid
     except Exception:
         result["error"] = traceback.format_exc()
         save()
         print(result["error"])
         return 1
-    previous_mode = kernels.set_mode(args.mode)
+    previous_mode = round_to_grid.set_mode(args.mode)
     try:
         return _stages(args, result, t0, save)
     finally:
-        kernels.set_mode(previous_mode)
+        round_to_grid.set_mode(previous_mode)
 
 
 def _stages(args, result: dict, t0: float, save) -> int:
     import bench
-    from lowprec_demo.rounding import kernels
+    from lowprec_demo.rounding import round_to_grid
 
     if not args.no_check:
         _say(t0, "bits: compiled GPU kernels against the CPU's eager code ...")
@@ -225,7 +228,7 @@ def _stages(args, result: dict, t0: float, save) -> int:
             _say(t0, "speed: failed:\n" + result["stages"]["bench"]["error"])
     else:
         result["stages"]["bench"] = {"skipped": f"budget of {args.budget} s spent"}
-    result["fused_status"] = kernels.status()
+    result["fused_status"] = {"mode": round_to_grid.get_mode()}
     failed = [name for name, stage in result["stages"].items() if isinstance(stage, dict) and "error" in stage]
     differ = result["stages"].get("check", {}).get("total_differences", 0)
     result["ok"] = not failed and not differ

@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from lowprec_demo.rounding.core import draw_seed, quantize_
+from lowprec_demo.rounding import draw_seed, quantize_
 
 __all__ = ["is_sharded", "any_sharded", "local_part", "check_placements", "flat_offset", "row_range", "counts_here",
            "store_pieces", "ALLOWED_PLACEMENTS"]

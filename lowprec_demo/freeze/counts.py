@@ -1,5 +1,5 @@
 """The one count of a step, for the predictor and the watch alike: the rule at ``q(old)`` gives every element a code
-(:func:`lowprec_demo.rounding.rule.step_code`: its tensor, its bin of ``log2(|d| / gap)`` less ``log2(lr)``, frozen
+(:func:`lowprec_demo.rounding.freeze_rule.element_codes`: its tensor, its bin of ``log2(|d| / gap)`` less ``log2(lr)``, frozen
 or not, and the watch's gradient flag) and one :func:`torch.bincount` counts them all. The predictor counts the same
 bins in whole octaves (a byte per element, no shift, no flag) and folds them into its histogram (:func:`fold_octaves`).
 
@@ -21,13 +21,13 @@ from typing import List, Optional, Sequence
 import torch
 
 from lowprec_demo.formats import FloatFormat
-from lowprec_demo.rounding import kernels
-from lowprec_demo.rounding.core import move_probability, update_ulp_ratio, would_freeze
-from lowprec_demo.rounding.rule import BINS, FIRST_EDGE, LAST_EDGE, OCTAVES, PER_OCTAVE, bin_thresholds, step_code
+from lowprec_demo.rounding import freeze_rule, round_to_grid
+from lowprec_demo.rounding import move_probability, update_ulp_ratio, would_freeze
+from lowprec_demo.rounding.freeze_rule import BINS, FIRST_EDGE, LAST_EDGE, OCTAVES, PER_OCTAVE, bin_thresholds, element_codes
 
 __all__ = ["step_counts", "frozen_per_tensor", "histograms", "fold_octaves", "fewbit_count", "EDGES"]
 
-#: the edges of the bins, eighths of an octave from :data:`~lowprec_demo.rounding.rule.FIRST_EDGE` to ``LAST_EDGE``
+#: the edges of the bins, eighths of an octave from :data:`~lowprec_demo.rounding.freeze_rule.FIRST_EDGE` to ``LAST_EDGE``
 EDGES = torch.arange(FIRST_EDGE * PER_OCTAVE, LAST_EDGE * PER_OCTAVE + 1, dtype=torch.float32) / PER_OCTAVE
 
 
@@ -38,24 +38,24 @@ def step_counts(old: torch.Tensor, new: torch.Tensor, fmt: FloatFormat, tensor_i
     through the public functions) at ``q(old)``: ``counts[t, bin, frozen, flag]`` (int64, ``BINS + 1`` slots, the
     last for NaN) of ``n_tensors`` tensors by ``tensor_id`` (int32 per element, or 0-dim for one), the bins shifted
     by ``log_lr`` (float32 per tensor, 0-dim for all, None for none; see
-    :func:`~lowprec_demo.rounding.rule.bin_thresholds`), the flag ``grad != 0`` (0 without ``grad``); with
+    :func:`~lowprec_demo.rounding.freeze_rule.bin_thresholds`), the flag ``grad != 0`` (0 without ``grad``); with
     ``octaves``, whole-octave bins (``OCTAVES + 1`` slots), no shift and one flag slot. ``moves``: every element's
     move probability with ``rand_bits`` random bits (None: full resolution), or with ``moves_sum`` their float64
     sum. ``compile_now`` compiles the kernel in this call whatever the mode."""
     if octaves and (grad is not None or log_lr is not None):
         raise ValueError("whole-octave counts take neither a gradient flag nor a learning-rate shift")
-    if kernels.fits(old, fmt):
-        previous = kernels.set_mode("on") if compile_now else None
+    if freeze_rule.fits(old, fmt):
+        previous = round_to_grid.set_mode("on") if compile_now else None
         try:
-            code, moves = kernels.step_code(old, new, grad, tensor_id, log_lr, fmt, rand_bits, moves_sum, octaves)
+            code, moves = freeze_rule.step_codes(old, new, grad, tensor_id, log_lr, fmt, rand_bits, moves_sum, octaves)
         finally:
             if previous is not None:
-                kernels.set_mode(previous)
+                round_to_grid.set_mode(previous)
     else:   # the same rule through the public functions (float64 tensors, formats beyond float32)
         update = new - old
         flag = 0 if grad is None else (grad != 0).to(torch.int32)
-        code = step_code(would_freeze(old, update, fmt), _float32_up(update_ulp_ratio(old, update, fmt)), flag,
-                         tensor_id, None if octaves else bin_thresholds(log_lr, old.device))
+        code = element_codes(would_freeze(old, update, fmt), _float32_up(update_ulp_ratio(old, update, fmt)), flag,
+                             tensor_id, None if octaves else bin_thresholds(log_lr, old.device))
         moves = move_probability(old, update, fmt, rand_bits=rand_bits)
         moves = moves.sum(dtype=torch.float64) if moves_sum else moves
     slots, flags = (OCTAVES + 1, 1) if octaves else (BINS + 1, 2)

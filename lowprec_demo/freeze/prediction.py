@@ -29,9 +29,9 @@ from lowprec_demo.formats import FloatFormat, get_format
 from lowprec_demo.freeze.counts import fewbit_count, fold_octaves, frozen_per_tensor, histograms, step_counts
 from lowprec_demo.freeze.records import RATIO_BINS, FreezeRecord, freeze_order, freeze_step, steps_agree
 from lowprec_demo.optim.packing import Pack, copy_into, packs
-from lowprec_demo.rounding import kernels
-from lowprec_demo.rounding.rule import OCTAVES
-from lowprec_demo.rounding.core import quantize, update_ulp_ratio, would_freeze
+from lowprec_demo.rounding import freeze_rule
+from lowprec_demo.rounding.freeze_rule import OCTAVES
+from lowprec_demo.rounding import quantize, update_ulp_ratio, would_freeze
 
 __all__ = ["FreezeRecord", "StepTracker", "FreezePredictor", "FreezeObserver", "freeze_step", "freeze_order",
            "steps_agree", "named_tensors", "RATIO_BINS"]
@@ -53,12 +53,9 @@ def _nbytes(tensors) -> int:
 
 
 def _frozen_mask(stored: torch.Tensor, old: torch.Tensor, new: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
-    """Per element, whether ``q(q(old) + new - old) == q(old)`` (``stored = q(old)``): by the
-    kernel where it fits, else by :func:`~lowprec_demo.rounding.would_freeze`."""
-    fmt = get_format(fmt)
-    if old.dtype == torch.float32 and kernels.fits(old, fmt):
-        return kernels.freeze_detail(old.reshape(-1), new.reshape(-1), fmt)[0].view(old.shape)
-    return would_freeze(stored, new - old, fmt)
+    """Per element, whether ``q(q(old) + new - old) == q(old)`` (``stored = q(old)``), by
+    :func:`~lowprec_demo.rounding.would_freeze`."""
+    return would_freeze(stored, new - old, get_format(fmt))
 
 
 class StepTracker:
@@ -111,7 +108,7 @@ class StepTracker:
         layout = self._layout_of(current)
         if layout != self._layout:
             names = list(current)
-            self._packs = packs([v.detach() for v in current.values()], block=kernels.BLOCK)
+            self._packs = packs([v.detach() for v in current.values()], block=freeze_rule.BLOCK)
             self._names = [[names[i] for i in pack.indices] for pack in self._packs]
             self._snapshots = [pack.zeros() for pack in self._packs]
             self._views = {name: view for pack, names, buffer in zip(self._packs, self._names, self._snapshots)
@@ -168,8 +165,8 @@ class FreezeObserver(StepTracker):
         if packed is None:
             pairs = [(name, int((new == old).sum().item()), new.numel()) for name, old, new in self._pairs()]
         else:  # one comparison per pack, one transfer of all the counts
-            counts = torch.cat([pack.per_tensor(kernels.changed_blocks(old, pack.flat(now))) if pack.several
-                                else kernels.equal_count(old, pack.flat(now)).reshape(1)
+            counts = torch.cat([pack.per_tensor(freeze_rule.changed_blocks(old, pack.flat(now))) if pack.several
+                                else freeze_rule.equal_count(old, pack.flat(now)).reshape(1)
                                 for pack, _, old, now in packed]).tolist()
             pairs, start = [], 0
             for pack, names, _, _ in packed:   # several tensors: changed elements counted, one: equal ones
@@ -219,7 +216,7 @@ class FreezePredictor(StepTracker):
     def after_step(self) -> None:
         """Predict, for the update just applied, the frozen elements and SR's moves per format."""
         packed = self._packed_now()
-        if packed is not None and all(kernels.fits(old, fmt) for _, _, old, _ in packed for fmt in self.formats):
+        if packed is not None and all(freeze_rule.fits(old, fmt) for _, _, old, _ in packed for fmt in self.formats):
             self._after_step_packed(packed)
         else:
             self._after_step_by_tensor()

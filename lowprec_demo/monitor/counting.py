@@ -12,7 +12,7 @@ import torch
 from lowprec_demo.formats import FloatFormat
 from lowprec_demo.freeze.counts import histograms, step_counts
 from lowprec_demo.freeze.records import FreezeRecord
-from lowprec_demo.rounding import kernels
+from lowprec_demo.rounding import freeze_rule, round_to_grid
 
 __all__ = ["observed_counts", "predicted_counts", "state_counters", "add_point", "compile_up_front", "UNKNOWN_RUN"]
 
@@ -43,16 +43,15 @@ def predicted_counts(plan, old: torch.Tensor, new: torch.Tensor, grad: torch.Ten
 
 def compile_up_front(old: torch.Tensor, formats: Sequence[FloatFormat], steps_left: Optional[int]) -> bool:
     """Whether to compile the kernel at the first watched step: ``"auto"`` mode compiles once the eager work reaches
-    :data:`~lowprec_demo.rounding.kernels.EAGER_BUDGET` elements, on a large model a silent pause part way through the
+    :data:`~lowprec_demo.rounding.round_to_grid.EAGER_BUDGET` elements, on a large model a silent pause part way through the
     run; when the steps left (``None``: :data:`UNKNOWN_RUN`) would reach it, compile now and say so on stderr."""
-    if kernels.get_mode() != "auto" or not any(kernels.fits(old, f) for f in formats):
+    if round_to_grid.get_mode() != "auto" or not any(freeze_rule.fits(old, f) for f in formats):
         return False
     left = UNKNOWN_RUN if steps_left is None else steps_left
-    if old.numel() * left <= kernels.EAGER_BUDGET:
+    if old.numel() * left <= round_to_grid.EAGER_BUDGET:
         return False
-    if old.device.type not in kernels.status()["kernels"]["step_code"]["compiled"]:
-        print(f"freeze watch: compiling its kernel now, once per process (seconds): {left:,} watched steps of "
-              f"{old.numel():,} elements would compile it part way through the run", file=sys.stderr, flush=True)
+    print(f"freeze watch: compiling its kernel now, once per process (seconds): {left:,} watched steps of "
+          f"{old.numel():,} elements would compile it part way through the run", file=sys.stderr, flush=True)
     return True
 
 

@@ -20,7 +20,7 @@ import torch
 
 from lowprec_demo.formats import format_of_dtype, get_format
 from lowprec_demo.optim.optimizer import LowPrecisionOptimizer
-from lowprec_demo.rounding.core import decay_rounds_back
+from lowprec_demo.rounding import decay_rounds_back
 from lowprec_demo.monitor.forecast import update_ratios
 
 __all__ = ["Diagnosis", "DIAGNOSIS_KINDS", "LOCKED", "diagnose", "group_lines"]

@@ -17,7 +17,7 @@ import torch
 
 from lowprec_demo.optim.plan import FreezePlan
 from lowprec_demo.optim.optimizer import LowPrecisionOptimizer
-from lowprec_demo.rounding.core import GeneratorLike
+from lowprec_demo.rounding import GeneratorLike
 from lowprec_demo.monitor.freeze_watch import watch
 from lowprec_demo.monitor.report import watch_format
 

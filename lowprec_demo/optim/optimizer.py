@@ -13,8 +13,8 @@ from lowprec_demo.optim.options import (COMPENSATIONS, PARAM_SELECTIONS, ParamSe
                                          make_generator, select_params)
 from lowprec_demo.optim.packing import PackCache, group
 from lowprec_demo.optim.plan import PLAN_REMEDIES, FreezePlan, resolve_plan
-from lowprec_demo.rounding import kernels
-from lowprec_demo.rounding.core import ROUNDING_MODES, GeneratorLike, quantize, quantize_
+from lowprec_demo.rounding.round_to_grid import MAX_NUMEL
+from lowprec_demo.rounding import ROUNDING_MODES, GeneratorLike, quantize, quantize_
 
 __all__ = ["LowPrecisionOptimizer", "select_params", "bytes_per_parameter", "PARAM_SELECTIONS", "COMPENSATIONS"]
 
@@ -68,7 +68,7 @@ def _flat32(t: torch.Tensor, device: torch.device) -> bool:
 
 def _packable(t: torch.Tensor) -> bool:
     """Whether the fused kernels round ``t`` in place (in a pack)."""
-    return t.dtype == torch.float32 and t.is_contiguous() and t.numel() <= kernels.MAX_NUMEL
+    return t.dtype == torch.float32 and t.is_contiguous() and t.numel() <= MAX_NUMEL
 
 
 class LowPrecisionOptimizer(torch.optim.Optimizer):

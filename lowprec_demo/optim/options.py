@@ -19,7 +19,7 @@ import torch
 
 from lowprec_demo.formats import get_format
 from lowprec_demo.optim.plan import FreezePlan
-from lowprec_demo.rounding.core import ROUNDING_MODES, GeneratorLike
+from lowprec_demo.rounding import ROUNDING_MODES, GeneratorLike
 
 __all__ = ["select_params", "check_options", "make_generator", "PARAM_SELECTIONS", "COMPENSATIONS"]
 
