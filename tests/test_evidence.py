@@ -15,7 +15,7 @@ import lowprec_demo as lp
 from lowprec_demo.book import training
 from lowprec_demo.book.experiments import get_experiment, make_config
 from lowprec_demo.freeze.agreement import mask_mismatch, stratified_chance_mismatch
-from lowprec_demo.freeze.prediction import FreezeObserver, FreezePredictor
+from lowprec_demo.freeze import FreezeObserver, FreezePredictor
 from lowprec_demo.rounding import quantize
 
 
@@ -71,10 +71,8 @@ def test_tracker_masks_by_hand():
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp16", "e4m3", "e5m2", "e8m4", "e3m2", "e2m1", "tf32"])
 def test_fast_mask_is_would_freeze_bit_for_bit(fmt):
-    """The predictor's mask (a float64 sum rounded once) against the exact rule, on random
-    weights and updates of every size, the exact ties on both sides, zeros, the power-of-two
-    edges and the largest values."""
-    from lowprec_demo.freeze.prediction import _frozen_mask
+    """The predictor's kept mask against the rule, on random weights and updates of every size, the exact ties on
+    both sides, zeros, the power-of-two edges and the largest values."""
     from lowprec_demo.rounding import ulp
     f = lp.get_format(fmt)
     g = torch.Generator().manual_seed(7)
@@ -89,7 +87,12 @@ def test_fast_mask_is_would_freeze_bit_for_bit(fmt):
         d = d.float()
         new = old + d
         expected = lp.would_freeze(stored, new - old, fmt)
-        got = _frozen_mask(stored, old, new, fmt)
+        w = old.clone()
+        predictor = FreezePredictor({"w": w}, [fmt], keep_masks=True)
+        predictor.before_step()
+        w.copy_(new)
+        predictor.after_step()
+        got = predictor.masks[f.name]["w"]
         bad = (got != expected).nonzero().reshape(-1)[:5]
         assert bad.numel() == 0, [(old[i].item(), (new - old)[i].item(), got[i].item()) for i in bad]
 

@@ -188,7 +188,7 @@ def _worker(out_path: str) -> None:
             "empty_pieces": sum(sharding.local_part(p).numel() == 0 for p in params.values()),
             "bits_equal": {n: torch.equal(_full(p), dict(ref.named_parameters())[n]) for n, p in params.items()},
             "state_equal": _same_state(ref_opt, opt),
-            "report_differences": _report_difference(ref_watch.to_dict(), watch.to_dict())[:5],
+            "report_differences": _report_difference(ref_watch.report().data, watch.report().data)[:5],
             "summary_equal": ref_watch.summary(show=False) == watch.summary(show=False),
             "forecast_equal": watch.mode == "observe" or ref_watch.forecast() == watch.forecast(),
             "forecast": watch.forecast() if watch.mode == "predict" else None,
@@ -222,7 +222,7 @@ def _worker(out_path: str) -> None:
             dist.barrier()
             found["saved_by"] = [rank] if os.path.exists(report) and rank == 0 else []
             found["saved_report_equal"] = json.loads(Path(report).read_text())["records"] == \
-                json.loads(json.dumps(lp.monitor.report.jsonable(ref_watch.to_dict())))["records"]
+                json.loads(json.dumps(ref_watch.report().data))["records"]
         watch.detach(), ref_watch.detach()
     # a placement the optimizer does not support is refused by name
     from torch.distributed.tensor import DeviceMesh, Shard, distribute_tensor

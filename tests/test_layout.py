@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import lowprec_demo as lp
-from lowprec_demo.freeze.prediction import FreezeObserver, FreezePredictor
+from lowprec_demo.freeze import FreezeObserver, FreezePredictor
 from lowprec_demo.book.results import provenance
 
 

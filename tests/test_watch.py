@@ -174,12 +174,13 @@ def test_forecast_band_holds_the_step_and_the_trend_comes_earlier_on_shrinking_s
         with torch.no_grad():
             p.copy_(torch.ones(4096))     # the same stored value each step: only the update changes
     made = w.forecast("bf16")
-    flat = lp.monitor.forecast.freeze_steps(w, w.record("bf16"), w.forecast_curves("bf16", trend=0.0), 0.5)["overall"]
+    curves = lp.monitor.forecast.forecast_curves(w, "bf16", trend=0.0)
+    flat = lp.monitor.forecast.freeze_steps(w, w.record("bf16"), curves, 0.5)["overall"]
     assert made["overall"] is not None and flat is not None and made["overall"] < flat
     assert made["low"] <= made["overall"] <= made["high"] == flat
     assert made["by_tensor"]["p"]["step"] == made["overall"]
     with pytest.raises(ValueError, match="trend"):
-        w.forecast_curves("bf16", trend=-1.0)
+        lp.monitor.forecast.forecast_curves(w, "bf16", trend=-1.0)
 
 
 def test_forecast_refuses_what_it_cannot_know():
@@ -374,13 +375,13 @@ def test_summary_rows_and_plot():
     text = w.summary(show=False)
     assert text.splitlines()[2].startswith("(all)") and "e8m4" not in text.splitlines()[2]
     assert "e8m4" in w.summary("e8m4", show=False).splitlines()[2]
-    ax = w.plot()
-    assert len(ax.lines) >= 2 * (1 + len(w.groups()))       # measured and forecast, per group
+    ax = w.report().plot()
+    assert len(ax.lines) >= 2 * (1 + len(w.groups))       # measured and forecast, per group
     assert "dashed: forecast" in ax.get_title() and any(ln.get_linestyle() == "--" for ln in ax.lines)
-    d = w.to_dict()
+    d = w.report().data
     assert set(d["forecast_curves"]["bf16"]["overall"]) == {str(s) for s in range(10, steps)}
     train(model, opt, steps - 10, sched=sched)         # the run's end: nothing left to forecast
-    ax = w.plot()
+    ax = w.report().plot()
     assert "forecast" not in ax.get_title() and not any(ln.get_linestyle() == "--" for ln in ax.lines)
 
 
@@ -455,14 +456,14 @@ def test_lightning_callback(tmp_path, lightning):
 
 def test_update_ratios_and_held_memory():
     w, made, g = constant_gradient_run(30, [0.01] * 30, forecast_at=30)
-    ratios = w.update_ratios("bf16", q=0.5)
+    ratios = lp.monitor.forecast.update_ratios(w, "bf16", q=0.5)
     # |d| / (lr gap) = |g| / 2^-7 for weights at 1.5: the median |g| of linspace(0.05, 1) is 0.525
     assert ratios["p"] == pytest.approx(0.525 * 2**7, rel=0.1)
-    assert w.update_ratios("bf16", q=0.9)["p"] > ratios["p"]
+    assert lp.monitor.forecast.update_ratios(w, "bf16", q=0.9)["p"] > ratios["p"]
     with pytest.raises(ValueError, match="q must be"):
-        w.update_ratios("bf16", q=1.0)
-    assert w.held_bytes() >= 2 * 400 * 4      # the two copies of the 400 float32 parameters
-    assert w.held_bytes() < 400 * 4 + 20_000  # and a histogram, nothing per step
+        lp.monitor.forecast.update_ratios(w, "bf16", q=1.0)
+    assert w.tracker.held_bytes() >= 2 * 400 * 4      # the two copies of the 400 float32 parameters
+    assert w.tracker.held_bytes() + w.ratios.nbytes() < 400 * 4 + 20_000  # and a histogram, nothing per step
 
 
 def test_a_sample_of_a_large_tensor_estimates_the_whole():
@@ -475,7 +476,7 @@ def test_a_sample_of_a_large_tensor_estimates_the_whole():
         opt.zero_grad()
         model(torch.randn(32, 512)).pow(2).mean().backward()
         opt.step()
-    assert sampled.held_bytes() < full.held_bytes() / 20
+    assert sampled.tracker.held_bytes() < full.tracker.held_bytes() / 20
     a, b = sampled.record("bf16").by_tensor["weight"], full.record("bf16").by_tensor["weight"]
     assert a != b and max(abs(x - y) for x, y in zip(a, b)) < 0.03       # an estimate, within a few points
     assert sampled.record("bf16").by_tensor["bias"] == full.record("bf16").by_tensor["bias"]   # small: in full
@@ -537,7 +538,8 @@ def _conv_forecasts(seed, steps=120, peak=1e-3, warmup=6):
         opt.step()
         sched.step()
         if s + 1 in (steps // 10, steps // 4, steps // 2):
-            flat = lp.monitor.forecast.freeze_steps(w, w.record("bf16"), w.forecast_curves("bf16", trend=0.0), 0.5)
+            curves = lp.monitor.forecast.forecast_curves(w, "bf16", trend=0.0)
+            flat = lp.monitor.forecast.freeze_steps(w, w.record("bf16"), curves, 0.5)
             made[s + 1] = dict(w.forecast("bf16"), flat=flat["overall"])
     return w.frozen_since("bf16")["overall"], made
 

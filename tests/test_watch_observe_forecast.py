@@ -6,14 +6,16 @@ optimizer whose state the watch does not read gets a clear error; reports with a
 
 import copy
 import json
+from functools import partial
 
 import pytest
 import torch
 
 import lowprec_demo as lp
 from lowprec_demo.monitor.intended import intended_update
-from lowprec_demo.monitor.report import load_watch, WatchReport, jsonable
-from lowprec_demo.monitor.sampling import SamplePlan
+from lowprec_demo.monitor.report import load_watch, WatchReport
+from lowprec_demo.freeze.sampling import Sample
+from lowprec_demo.monitor.forecast import forecast_curves, update_ratios
 from lowprec_demo.optim.plan import FreezePlan, load_plan
 
 TOLERANCE = 0.03        # expected vs observed frozen share, every watched step (set before any run)
@@ -96,23 +98,23 @@ def test_the_update_meant_is_the_float32_step_on_every_followed_element(name):
     groups = [{"params": params[:3]}, {"params": params[3:], "lr": 3e-3, "weight_decay": 0.0}]
     opt = OPTIMIZERS[name](groups)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
-    plan = SamplePlan(list(params), 37)          # the larger tensors strided
-    assert max(plan.strides) > 1
+    sample = Sample(list(params), 37)          # the larger tensors strided
+    assert max(sample.strides) > 1
     seen, worst = {}, []
 
     @torch.no_grad()
     def each(i, when):
         if when == "before":
-            seen["old"] = plan.gather(params).clone()
+            seen["old"] = sample.gather(params).clone()
             seen["lrs"] = [opt.param_groups[gi]["lr"] for gi, g in enumerate(groups) for _ in g["params"]]
             return
-        old, new, grad = seen["old"], plan.gather(params), plan.grads(params)
-        d = intended_update(opt, plan, params, seen["lrs"], old, grad)
+        old, new, grad = seen["old"], sample.gather(params), sample.grads(params)
+        d = intended_update(opt, sample, params, seen["lrs"], old, grad)
         step = new - old
         tol = 2 * (_ulp(old) + _ulp(new)) + 8 * _ulp(d)
         assert torch.all((d - step.double()).abs() <= tol.double()), (name, i, float((d - step.double()).abs().max()))
         worst.append(float(((d - step.double()).abs() / tol.double()).max()))
-        unused = plan.tensor_id == names.index("unused")       # no gradient: the step skips it
+        unused = sample.tensor_id == names.index("unused")       # no gradient: the step skips it
         assert torch.all(d[unused] == 0) and torch.all(step[unused] == 0)
         assert (step != 0).float().mean() > 0.5           # (the steps are not all nothing)
 
@@ -147,9 +149,9 @@ def test_a_low_precision_fine_tune_forecasts_plans_and_predicts_its_frozen_share
     fc = w.forecast(fmt)
     assert set(fc["by_tensor"]) == set(w.tracked)
     assert all(fc["by_tensor"][n]["step"] is None or 0 <= fc["by_tensor"][n]["step"] < 60 for n in w.tracked)
-    curves = w.forecast_curves(fmt)
+    curves = forecast_curves(w, fmt)
     assert sorted(curves["overall"]) == list(range(30, 60)) and all(0 <= v <= 1 for v in curves["overall"].values())
-    ratios = w.update_ratios(fmt)
+    ratios = update_ratios(w, fmt)
     assert ratios["norm.weight"] > 0 and ratios["unused"] == 0.0       # no gradient: no update
     plan = w.plan(fmt)
     assert isinstance(plan, FreezePlan) and plan.format == fmt and set(plan.remedies) == set(w.tracked)
@@ -172,11 +174,11 @@ def test_an_optimizer_the_watch_cannot_read_observes_and_says_why_it_cannot_fore
     model, opt, w = _finetune(torch.bfloat16, 1e-3, optimizer=torch.optim.Adagrad)
     assert len(w.record("bf16").overall) == 30            # observation works as before
     expected = r"torch\.optim\.AdamW, torch\.optim\.Adam, torch\.optim\.SGD"
-    for call in (w.forecast, w.forecast_curves, w.update_ratios, w.plan, w.expected_record):
+    for call in (w.forecast, partial(forecast_curves, w), partial(update_ratios, w), w.plan, w.expected_record):
         with pytest.raises(ValueError, match=expected) as error:
             call("bf16")
         assert "torch.optim.adagrad.Adagrad" in str(error.value)
-    data = w.to_dict()
+    data = w.report().data
     assert data["forecast"] == {} and "expected" not in data
     assert "n/a" in w.summary(show=False)
 
@@ -187,7 +189,7 @@ def test_what_has_no_expected_record_says_so():
     _train(model, w.optimizer, 2)
     with pytest.raises(ValueError, match="this watch predicts bf16: record"):
         w.expected_record()
-    assert "expected" not in w.to_dict()
+    assert "expected" not in w.report().data
     mixed = torch.nn.ParameterDict({"a": torch.ones(8, dtype=torch.bfloat16), "b": torch.ones(8, dtype=torch.float16)})
     opt = torch.optim.AdamW(mixed.parameters(), lr=1e-4)     # two storage formats: no forecast, observation as before
     wm = lp.watch(mixed, opt, total_steps=10)
@@ -210,7 +212,7 @@ def test_reports_with_the_expected_record_and_older_ones_without_it_load(tmp_pat
     new = load_watch(tmp_path / "new.json")
     assert "n/a" not in new.summary(show=False)
     # a report saved before: no "expected", no forecast in observation
-    old = {k: v for k, v in jsonable(w.to_dict()).items() if k != "expected"} | {"forecast": {}, "forecast_curves": {}}
+    old = {k: v for k, v in w.report().data.items() if k != "expected"} | {"forecast": {}, "forecast_curves": {}}
     (tmp_path / "old.json").write_text(json.dumps(old))
     report = load_watch(tmp_path / "old.json")
     assert isinstance(report, WatchReport) and "n/a" in report.summary(show=False)

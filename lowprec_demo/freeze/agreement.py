@@ -1,5 +1,5 @@
 """How far a predicted frozen mask and an observed one (``masks[format][tensor]`` of two trackers stepped in lockstep,
-:mod:`lowprec_demo.freeze.prediction`) agree element by element, against what masks that know less would give:
+:mod:`lowprec_demo.freeze.tracker`) agree element by element, against what masks that know less would give:
 independent masks with the same frozen fractions overall (:func:`mask_mismatch`) or per tensor and binade
 (:func:`stratified_chance_mismatch`: a prediction that knew only each weight's size and the schedule).
 """

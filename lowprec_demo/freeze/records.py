@@ -65,17 +65,26 @@ class FreezeRecord:
     by_tensor_steps: Optional[List[int]] = None  # set when per-tensor curves were thinned
 
     def add_step(self, per_tensor: Iterable[tuple]) -> int:
-        """Add a step of ``(name, frozen, elements)`` per tensor (a new tensor: NaN before); return the count."""
-        frozen = count = 0
-        for name, f, n in per_tensor:
+        """Add a step of ``(name, frozen, followed, size, move sum or None)`` per tensor: ``frozen`` of the
+        ``followed`` elements of a tensor of ``size`` (a new tensor: NaN before), the whole model's fraction and, for a
+        prediction, SR's from them weighted by size. Return the size of the tensors."""
+        held = moved = 0.0
+        total = 0
+        for name, frozen, followed, size, move in per_tensor:
             if name not in self.by_tensor:
                 self.by_tensor[name] = [math.nan] * len(self.overall)
-                self.sizes[name] = n
-            self.by_tensor[name].append(f / n if n else math.nan)
-            frozen += f
-            count += n
-        self.overall.append(frozen / count if count else math.nan)
-        return count
+                self.sizes[name] = size
+            self.by_tensor[name].append(frozen / followed if followed else math.nan)
+            total += size
+            if followed:
+                scale = size / followed
+                held += frozen * scale
+                if move is not None:
+                    moved += move * scale
+        self.overall.append(held / total if total else math.nan)
+        if self.kind == "predicted":
+            self.move_fraction.append(moved / total if total else math.nan)
+        return total
 
     def tensor_steps(self, name: str) -> List[int]:
         """The step of every point of ``by_tensor[name]``."""

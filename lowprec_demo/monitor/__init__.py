@@ -1,6 +1,6 @@
 """A freeze watch for any training loop (:func:`watch`): which weights each step leaves in place,
 when a format would freeze them (``forecast``), why (``diagnoses``), the report (``report``) and
-a remedy per tensor; ``integrations`` has the trainer callbacks and :func:`attach_plan`.
+a remedy per tensor (``planning``); ``integrations`` has the trainer callbacks and :func:`attach_plan`.
 """
 
 from lowprec_demo.monitor.diagnoses import Diagnosis

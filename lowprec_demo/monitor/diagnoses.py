@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import torch
 
@@ -23,7 +23,7 @@ from lowprec_demo.optim.optimizer import LowPrecisionOptimizer
 from lowprec_demo.rounding import decay_rounds_back
 from lowprec_demo.monitor.forecast import update_ratios
 
-__all__ = ["Diagnosis", "DIAGNOSIS_KINDS", "LOCKED", "diagnose", "group_lines"]
+__all__ = ["Diagnosis", "DIAGNOSIS_KINDS", "LOCKED", "diagnose", "group_lines", "state_counters"]
 
 DIAGNOSIS_KINDS = ("cannot_move", "weight_decay", "state_decay", "counter", "idle", "frozen")
 LOCKED = 0.99            # "cannot move" / "frozen": at least this fraction of a tensor held still
@@ -60,7 +60,7 @@ def diagnose(watch) -> List[Diagnosis]:
             remedy = "Remedy: keep it in float32 (master weights), or use stochastic rounding."
             if watch.mode == "predict" and always:
                 top = update_ratios(watch, f, q=LOCKED)[n]        # the largest steps per unit of lr, in gaps
-                lr = max(lrs[watch.param_group_of(n)] for lrs in watch.lrs)
+                lr = max(lrs[watch.group_of[n]] for lrs in watch.lrs)
                 above = 0.5 / top if top else math.inf
                 out.append(Diagnosis("cannot_move", n, (
                     f"{head} cannot move in {f}: on every one of the {span} watched steps at least {min(held):.1%} of "
@@ -98,8 +98,8 @@ def _weight_decay(watch) -> List[Diagnosis]:
         if wd <= 0 or not decoupled:
             continue
         lr = max(lrs[gi] for lrs in watch.lrs)
-        names = [n for n in watch.tracked if watch.param_group_of(n) == gi]
-        for fmt in watch.stored_formats():
+        names = [n for n in watch.tracked if watch.group_of[n] == gi]
+        for fmt in watch.stored_formats:
             m = fmt.man_bits
             upper, lower = 2.0 ** -(m + 1), 2.0 ** -(m + 2)
             if lr * wd >= upper or not names:
@@ -116,14 +116,33 @@ def _weight_decay(watch) -> List[Diagnosis]:
     return out
 
 
+def _state(watch, name: str) -> dict:
+    """The optimizer's state of a tensor (``{}`` before its first step)."""
+    return watch.optimizer.state.get(watch.params[name], {})
+
+
+def state_counters(optimizer, params: Dict[str, torch.Tensor]) -> Dict[tuple, float]:
+    """The optimizer's 0-dimensional float state (Adam's ``step``), ``{(tensor, key): value}``: what ``counter``
+    diagnoses follow."""
+    found = [((n, key), value) for n, p in params.items() for key, value in optimizer.state.get(p, {}).items()
+             if torch.is_tensor(value) and value.dim() == 0 and value.is_floating_point()]
+    if not found:
+        return {}
+    try:      # (float types widen exactly)
+        values = torch.stack([v for _, v in found]).tolist()
+    except RuntimeError:     # on several devices
+        values = [float(v) for _, v in found]
+    return {key: v for (key, _), v in zip(found, values)}
+
+
 def _state_decay(watch) -> List[Diagnosis]:
     """Moving averages whose ``beta * v`` rounds back to ``v``, once per state and format."""
     out, seen, optimizer = [], set(), watch.optimizer
     for n in watch.tracked:
-        group = optimizer.param_groups[watch.param_group_of(n)]
+        group = optimizer.param_groups[watch.group_of[n]]
         betas = group.get("betas", (None, None))
         rates = {"exp_avg": betas[0], "exp_avg_sq": betas[1], "momentum_buffer": group.get("momentum")}
-        for key, value in watch.optimizer_state(n).items():
+        for key, value in _state(watch, n).items():
             beta = rates.get(key)
             if not torch.is_tensor(value) or value.dim() == 0 or not beta:
                 continue
@@ -133,7 +152,7 @@ def _state_decay(watch) -> List[Diagnosis]:
                 continue
             seen.add((key, name))
             m = get_format(name).man_bits
-            tensors = [t for t in watch.tracked if key in watch.optimizer_state(t)]
+            tensors = [t for t in watch.tracked if key in _state(watch, t)]
             lower = 2.0 ** -(m + 2)
             where = "on every value" if 1 - beta < lower else \
                 "on the values just above a power of two, whose relative half gap is smallest"
@@ -151,8 +170,8 @@ def _state_decay(watch) -> List[Diagnosis]:
 def _counters(watch) -> List[Diagnosis]:
     """Float step counters stuck, or taken past ``2^(m+1)`` by the run; once per state and format."""
     out, seen = [], set()
-    for (n, key), (value, stuck) in watch.counters().items():
-        state = watch.optimizer_state(n).get(key)
+    for (n, key), (value, stuck) in watch.counters.items():
+        state = _state(watch, n).get(key)
         name = None if state is None else format_of_dtype(state.dtype) or {
             torch.float32: "fp32", torch.float64: "fp64"}.get(state.dtype)
         if name is None or (key, name) in seen:
@@ -173,7 +192,7 @@ def _counters(watch) -> List[Diagnosis]:
 def _idle(watch) -> List[Diagnosis]:
     """Tensors, and an embedding's rows, with no gradient on any watched step."""
     out = []
-    rows_seen = watch.rows_with_gradient()
+    rows_seen = watch.rows_seen
     for n in watch.tracked:
         if watch.idle[n] and min(watch.idle[n]) >= 1.0:
             out.append(Diagnosis("idle", n, (

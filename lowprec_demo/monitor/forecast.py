@@ -195,8 +195,9 @@ def forecast_curves(watch, fmt=None, total_steps: Optional[int] = None,
     _check_forecast(watch)
     if not trend >= 0.0:
         raise ValueError(f"trend must be a factor >= 0 on the fitted slope, got {trend!r}")
-    hist = watch.ratio_histogram(fmt, recent=trend > 0)
-    slopes = watch.ratio_trend(fmt).slopes() if trend > 0 else [0.0] * len(watch.tracked)
+    f = watch.record(fmt).format
+    hist = (watch.ratios.recent if trend > 0 else watch.ratios.long)[f]
+    slopes = watch.ratios.trend[f].slopes() if trend > 0 else [0.0] * len(watch.tracked)
     # the recent histogram stands for about RECENT - 1 watched steps back
     center = max(0, watch.steps[-1] - (RECENT - 1) * watch.every) if trend > 0 else watch.steps[-1]
     schedule = schedule_ahead(watch, total_steps) if schedule is None else schedule
@@ -204,7 +205,7 @@ def forecast_curves(watch, fmt=None, total_steps: Optional[int] = None,
     out: Dict[str, Dict[int, float]] = {}
     for j, n in enumerate(watch.tracked):
         c = torch.cumsum(hist[j], 0)
-        cum, gi, b = (c / c[-1].clamp(min=1e-300)).tolist(), watch.param_group_of(n), trend * slopes[j]
+        cum, gi, b = (c / c[-1].clamp(min=1e-300)).tolist(), watch.group_of[n], trend * slopes[j]
         shift = {s: b * (math.log(s + 1) - math.log(center + 1)) if b else 0.0 for s in future}
         out[n] = {s: 1.0 if schedule[s][gi] <= 0 else fraction_below(cum, math.log2(0.5 / schedule[s][gi]) - shift[s])
                   for s in future}
@@ -236,7 +237,7 @@ def update_ratios(watch, fmt=None, q: float = 0.5) -> Dict[str, float]:
     _check_forecast(watch)
     if not 0.0 < q < 1.0:
         raise ValueError(f"q must be in (0, 1), got {q!r}")
-    out, hist = {}, watch.ratio_histogram(fmt)
+    out, hist = {}, watch.ratios.long[watch.record(fmt).format]
     for j, n in enumerate(watch.tracked):
         c = torch.cumsum(hist[j], 0)
         i = int(torch.searchsorted(c / c[-1].clamp(min=1e-300), torch.tensor(q, dtype=c.dtype)))

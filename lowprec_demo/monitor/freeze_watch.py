@@ -8,14 +8,15 @@ It goes on any model and ``torch.optim`` optimizer, through the optimizer's step
     watch.diagnoses()            # what cannot move, and why, in plain words
 
 It follows every element of a tensor of up to ``sample`` and an evenly strided sample of a larger one
-(:mod:`~lowprec_demo.monitor.sampling`), so that it costs a small part of a step. Its mode comes from the parameters'
+(:mod:`~lowprec_demo.freeze.sampling`), so that it costs a small part of a step. Its mode comes from the parameters'
 storage. *prediction*, for float32 (or float64) parameters: per format, the fraction of each tensor round to nearest
 would leave in place (``q(q(w) + d) == q(w)``), the fraction stochastic rounding would move, and the
 ``|d| / (lr gap)`` the forecast reads. *observation*, for low-precision parameters (a low-precision dtype, or a
 ``LowPrecisionOptimizer``'s grid): the fraction the step left bit for bit the same, *frozen* (with a gradient) or
 *idle* (without); under AdamW, Adam or SGD also the update the optimizer meant, read from its state
 (:mod:`~lowprec_demo.monitor.intended`), for prediction's histograms of the stored format (forecast and plan) and
-``expected_record``, the frozen fraction it predicts. Under FSDP2 one ``all_reduce`` per step adds the counts.
+``expected_record``, the frozen fraction it predicts. Under FSDP2 one ``all_reduce`` per step adds the counts. The
+snapshots, counts and records are those of :class:`~lowprec_demo.freeze.tracker.FreezeTracker` (``watch.tracker``).
 
 Example:
     >>> import torch, lowprec_demo as lp
@@ -30,6 +31,7 @@ Example:
 
 from __future__ import annotations
 
+import sys
 import warnings
 from typing import Dict, List, Optional, Sequence
 
@@ -37,18 +39,19 @@ import torch
 
 from lowprec_demo.common.output import progress_bar
 from lowprec_demo.formats import FloatFormat, format_of_dtype, get_format
+from lowprec_demo.freeze.counts import histograms
 from lowprec_demo.freeze.records import FreezeRecord, freeze_step
+from lowprec_demo.freeze.sampling import ShardedSample
+from lowprec_demo.freeze.tracker import FreezeTracker
 from lowprec_demo.monitor import forecast as watch_forecast
-from lowprec_demo.monitor import sampling
 from lowprec_demo.monitor.intended import intended_update, unsupported
-from lowprec_demo.monitor.counting import (add_point, compile_up_front, observed_counts, predicted_counts,
-                                           state_counters)
-from lowprec_demo.monitor.diagnoses import Diagnosis, diagnose
-from lowprec_demo.monitor.forecast import RatioHistograms, RatioTrend, check_schedule, schedule_length, unwrap_scheduler
+from lowprec_demo.monitor.diagnoses import Diagnosis, diagnose, state_counters
+from lowprec_demo.monitor.forecast import RatioHistograms, check_schedule, schedule_length, unwrap_scheduler
+from lowprec_demo.monitor.planning import make_plan
 from lowprec_demo.monitor.report import WatchReport, jsonable, report_data, save_report, watch_format
-from lowprec_demo.optim import sharding
 from lowprec_demo.optim.optimizer import LowPrecisionOptimizer
-from lowprec_demo.optim.plan import CLASSIC_REMEDIES, FreezePlan, make_plan
+from lowprec_demo.optim.plan import CLASSIC_REMEDIES, FreezePlan
+from lowprec_demo.rounding import freeze_rule, round_to_grid
 
 __all__ = ["watch", "FreezeWatch"]
 
@@ -68,11 +71,32 @@ def _inner(optimizer):
     return optimizer
 
 
+UNKNOWN_RUN = 1000     # watched steps taken for a run of unknown length, when deciding to compile up front
+
+
+def _compile_up_front(old: torch.Tensor, formats: Sequence[FloatFormat], steps_left: Optional[int]) -> bool:
+    """Whether to compile the kernel at the first watched step: ``"auto"`` mode compiles once the eager work reaches
+    :data:`~lowprec_demo.rounding.round_to_grid.EAGER_BUDGET` elements, on a large model a silent pause part way
+    through the run; when the steps left (``None``: :data:`UNKNOWN_RUN`) would reach it, compile now and say so."""
+    if round_to_grid.get_mode() != "auto" or not any(freeze_rule.fits(old, f) for f in formats):
+        return False
+    left = UNKNOWN_RUN if steps_left is None else steps_left
+    if old.numel() * left <= round_to_grid.EAGER_BUDGET:
+        return False
+    print(f"freeze watch: compiling its kernel now, once per process (seconds): {left:,} watched steps of "
+          f"{old.numel():,} elements would compile it part way through the run", file=sys.stderr, flush=True)
+    return True
+
+
 class FreezeWatch:
     """What :func:`watch` returns (the arguments are its own): the hooks, the measurements and the answers. ``mode``
     is ``"predict"`` or ``"observe"``, ``formats`` the records' format names, ``steps`` the optimizer step of every
-    watched point (0-based), ``names`` and ``sizes`` the optimizer's non-empty parameters in order, ``no_forecast``
-    why no forecast or plan can be made (None: they can)."""
+    watched point (0-based), ``names`` and ``sizes`` the optimizer's non-empty parameters in order (``params`` by
+    name, ``group_of`` their param group), ``tracked`` those watched, ``groups`` them by kind (``"vectors"``,
+    ``"embeddings"``, ``"matrices"``), ``no_forecast`` why no forecast or plan can be made (None: they can).
+    Measured step by step: ``records``, ``idle`` and ``frozen_with_grad`` per tensor, ``lrs``, ``ratios`` (the
+    forecast's histograms and trend), ``rows_seen`` (per embedding, the rows with a gradient), ``counters`` (float
+    optimizer-state counters: ``{(tensor, key): (value, steps stuck)}``); ``tracker`` holds the copies and counts."""
 
     def __init__(self, model: torch.nn.Module, optimizer, formats: Sequence = ("bf16",), scheduler=None,
                  every: int = 1, threshold: float = 0.5, total_steps: Optional[int] = None,
@@ -93,7 +117,7 @@ class FreezeWatch:
             raise TypeError(f"writer must be a TensorBoard SummaryWriter (anything with add_scalar), got "
                             f"{type(writer).__name__}")
         single = isinstance(formats, (str, FloatFormat, torch.dtype))
-        self.formats_given = [watch_format(f) for f in ([formats] if single else formats)]   # a ValueError names them
+        given = [watch_format(f) for f in ([formats] if single else formats)]   # a ValueError names them
         self.optimizer = _inner(optimizer)
         if not isinstance(self.optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -102,8 +126,8 @@ class FreezeWatch:
         self.every, self.threshold, self.patience = every, float(threshold), patience
         self.total_steps = total_steps if total_steps is not None else schedule_length(self.scheduler)
         names = {id(p): n for n, p in model.named_parameters()}
-        self._params: Dict[str, torch.nn.Parameter] = {}
-        self._group: Dict[str, int] = {}   # the index of each one's param group
+        self.params: Dict[str, torch.nn.Parameter] = {}
+        self.group_of: Dict[str, int] = {}   # the index of each one's param group
         for gi, group in enumerate(self.optimizer.param_groups):
             for p in group["params"]:
                 if id(p) not in names:
@@ -113,27 +137,30 @@ class FreezeWatch:
                     raise ValueError(f"{names[id(p)]} has dtype {p.dtype}: the watch tracks floating-point parameters "
                                      f"only")
                 if p.numel():       # (an empty one: nothing to watch)
-                    self._params[names[id(p)]], self._group[names[id(p)]] = p, gi
-        if not self._params:
+                    self.params[names[id(p)]], self.group_of[names[id(p)]] = p, gi
+        if not self.params:
             raise ValueError("the optimizer has no parameters to watch")
-        if not any(p.requires_grad for p in self._params.values()):
-            warnings.warn(f"none of the {len(self._params)} parameters the optimizer holds requires grad, so none "
+        if not any(p.requires_grad for p in self.params.values()):
+            warnings.warn(f"none of the {len(self.params)} parameters the optimizer holds requires grad, so none "
                           f"will get a gradient and nothing will train: the watch will see every tensor idle. Set "
                           f"requires_grad=True on the ones to train (e.g. model.requires_grad_()), or give the "
                           f"optimizer those that do", UserWarning, stacklevel=3)
-        self.names, self.sizes = list(self._params), {n: p.numel() for n, p in self._params.items()}
+        self.names, self.sizes = list(self.params), {n: p.numel() for n, p in self.params.items()}
         # observation: parameters in a low-precision dtype, or on the grid of a LowPrecisionOptimizer
         on_grid = {id(p) for p in self.optimizer.lowprec_params} if isinstance(self.optimizer, LowPrecisionOptimizer) else set()
-        self._formats = {n: get_format(format_of_dtype(p.dtype)) if format_of_dtype(p.dtype) else self.optimizer.fmt
-                         for n, p in self._params.items() if format_of_dtype(p.dtype) or id(p) in on_grid}
-        self.mode = "observe" if self._formats else "predict"
-        if self.mode == "predict" and not self.formats_given:
+        stored = {n: get_format(format_of_dtype(p.dtype)) if format_of_dtype(p.dtype) else self.optimizer.fmt
+                  for n, p in self.params.items() if format_of_dtype(p.dtype) or id(p) in on_grid}
+        self.mode = "observe" if stored else "predict"
+        if self.mode == "predict" and not given:
             raise ValueError("give at least one format to predict, e.g. formats=('bf16',)")
-        self.tracked = list(self._formats) if self.mode == "observe" else list(self.names)
-        self.formats = list(dict.fromkeys(f.name for f in self._formats.values())) if self.mode == "observe" else [
-            f.name for f in self.formats_given]
-        self.records = {f: FreezeRecord(format=f, kind="predicted" if self.mode == "predict" else "observed")
-                        for f in self.formats}
+        self.tracked = list(stored) if self.mode == "observe" else list(self.names)
+        #: the formats stored in (observation) or predicted (prediction)
+        self.tracker = FreezeTracker({n: self.params[n] for n in self.tracked}, given, stored_in=stored or None,
+                                     sample=sample)
+        self.stored_formats: List[FloatFormat] = (list(dict.fromkeys(stored.values())) if stored
+                                                  else self.tracker.formats)
+        self.records = self.tracker.records
+        self.formats = list(self.records)
         # observation: why no forecast can be made (None: it can), and the frozen fraction the meant update predicts
         self.no_forecast = None if self.mode == "predict" else unsupported(self.optimizer) or (
             None if len(self.formats) == 1 else f"a forecast of parameters stored in low precision needs one storage "
@@ -143,21 +170,19 @@ class FreezeWatch:
         self.steps, self.lrs = [], []          # per watched step: the step, the lr per param group
         self.idle = {n: [] for n in self.tracked}                # per watched step: the fraction with no gradient,
         self.frozen_with_grad = {n: [] for n in self.tracked}    # and the fraction frozen with one
-        self._rows_seen: Dict[str, torch.Tensor] = {}
+        self.rows_seen: Dict[str, torch.Tensor] = {}
         self._embeddings = {f"{m}.weight" if m else "weight" for m, mod in model.named_modules()
                             if isinstance(mod, torch.nn.Embedding)} & set(self.tracked)
-        self._ratios = RatioHistograms()
-        self._before = self._after = None      # the followed elements before and after a step
-        followed = [self._params[n] for n in self.tracked]
-        self.sharded = sharding.any_sharded(followed)     # FSDP2's DTensor parameters
-        self._plan = (sampling.ShardedSamplePlan if self.sharded else sampling.SamplePlan)(followed, sample)
-        self._groups: Dict[str, List[str]] = {}
+        self.ratios = RatioHistograms()
+        self.sharded = isinstance(self.tracker.sample, ShardedSample)
+        self.groups: Dict[str, List[str]] = {}
         for n in self.tracked:
-            kind = "vectors" if self._params[n].dim() < 2 else "embeddings" if any(
+            kind = "vectors" if self.params[n].dim() < 2 else "embeddings" if any(
                 k in n for k in ("emb", "wte", "wpe")) else "matrices"
-            self._groups.setdefault(kind, []).append(n)
-        self._step, self._state_values, self._stuck_counters = 0, {}, {}
-        self.path, self.save_every, self.writer = path, save_every, writer
+            self.groups.setdefault(kind, []).append(n)
+        self.counters: Dict[tuple, tuple] = {}
+        self._step = 0
+        self.path, self._save_every, self._writer = path, save_every, writer
         self._save_warned = self._compile_checked = False
         self._bar = progress_bar(range(self.total_steps or 0), desc="freeze watch", disable=not progress) \
             if progress else None
@@ -169,7 +194,7 @@ class FreezeWatch:
         """Copy the followed elements before a watched step (the step pre-hook; after it, :meth:`after_step`)."""
         if self._step % self.every:
             return
-        self._before = self._plan.gather_params([self._params[n] for n in self.tracked], self._before)   # a copy
+        self.tracker.before_step()
         self._lr_now = [float(g["lr"]) for g in self.optimizer.param_groups]
 
     @torch.no_grad()
@@ -179,43 +204,72 @@ class FreezeWatch:
         if self._bar is not None and hasattr(self._bar, "update"):
             self._bar.update(1)
         if step % self.every:
-            self._watch_counters(step)
+            self._watch_counters()
             return
         self.steps.append(step)
         self.lrs.append(self._lr_now)
-        plan, params = self._plan, [self._params[n] for n in self.tracked]
-        new = self._after = plan.gather_params(params, self._after)   # a copy, into the buffer of the last step
-        grad = plan.grads(params)
+        names, sample, old, new = self.tracker.compare()
+        params = [self.params[n] for n in self.tracked]
+        grad = sample.grads(params)
         # rows that had a gradient, in full: an embedding's unused rows
-        row_names = [n for n in self._embeddings if self._params[n].grad is not None]
-        rows = [plan.row_flags(self._params[n], self._params[n].grad) for n in row_names]
+        row_names = [n for n in self._embeddings if self.params[n].grad is not None]
+        rows = [sample.row_flags(self.params[n], self.params[n].grad) for n in row_names]
         if self.mode == "observe":
-            parts, *rows = plan.reduce([observed_counts(plan, self._before, new, grad), *rows])
-            self._add_rows(row_names, rows)
-            idle, same, frozen_grad = parts.tolist()                  # one transfer
+            (_, idle, frozen_grad), rows = self.tracker.count_observed(names, sample, old, new, grad, rows)
             self._add_idle(idle, frozen_grad)
-            names = list(dict.fromkeys(self._formats[n].name for n in self.tracked))
-            self._append(self.records, {f: [(n, same[j], plan.counts[j], None) for j, n in enumerate(self.tracked)
-                                            if self._formats[n].name == f] for f in names})
             if self.expected:      # the update meant, by prediction's rule at the stored weights
-                old = self._before.float()
-                d = intended_update(self.optimizer, plan, params, [self._lr_now[self._group[n]] for n in self.tracked],
+                old = old.float()
+                d = intended_update(self.optimizer, sample, params, [self._lr_now[self.group_of[n]] for n in names],
                                     old, grad)
-                self._predict(plan, old, (old.double() + d).float(), grad.float(), self.stored_formats(), self.expected)
+                self._predict(sample, old, (old.double() + d).float(), grad.float(), self.expected)
         else:
-            rows = self._predict(plan, self._before, new, grad, self.formats_given, self.records, rows)
-            self._add_rows(row_names, rows)
-        self._watch_counters(step)
-        if self.writer is not None:
+            rows = self._predict(sample, old, new, grad, self.records, rows)
+        for n, seen in zip(row_names, rows):
+            seen = seen if seen.dtype == torch.bool else seen > 0
+            self.rows_seen[n] = seen if n not in self.rows_seen else self.rows_seen[n] | seen
+        self._watch_counters()
+        if self._writer is not None:
             for f in self.formats:
-                self.writer.add_scalar(f"freeze/{f}/frozen", self.records[f].overall[-1], step)
-                for group, members in self._groups.items():
+                self._writer.add_scalar(f"freeze/{f}/frozen", self.records[f].overall[-1], step)
+                for group, members in self.groups.items():
                     value = sum(self.records[f].by_tensor[n][-1] * self.sizes[n] for n in members)
-                    self.writer.add_scalar(f"freeze/{f}/{group}", value / sum(self.sizes[n] for n in members), step)
+                    self._writer.add_scalar(f"freeze/{f}/{group}", value / sum(self.sizes[n] for n in members), step)
         if self._bar is not None and hasattr(self._bar, "set_postfix_str"):
             self._bar.set_postfix_str(", ".join(f"{f} frozen {self.records[f].overall[-1]:.2f}" for f in self.formats))
-        if self.path is not None and len(self.steps) % self.save_every == 0:
+        if self.path is not None and len(self.steps) % self._save_every == 0:
             self._save_quietly()
+
+    def _predict(self, sample, old: torch.Tensor, new: torch.Tensor, grad: torch.Tensor,
+                 records: Dict[str, FreezeRecord], rows=()) -> List[torch.Tensor]:
+        """Prediction's point of each format's record for the update ``new - old`` and the forecast's histograms of
+        ``|d| / (lr gap)`` (and the idle fractions, into ``self.records``); returns ``rows`` reduced with the counts."""
+        same = all(lr == self._lr_now[0] for lr in self._lr_now)    # one learning rate: one value for all
+        lrs = torch.tensor(self._lr_now[:1] if same else [self._lr_now[self.group_of[n]] for n in self.tracked],
+                           dtype=torch.float64)
+        log_lr = torch.log2(lrs.clamp(min=1e-300)).to(torch.float32).to(new.device)
+        left = None if self.total_steps is None else -(-max(0, self.total_steps - self.steps[-1]) // self.every)
+        compile_now = not self._compile_checked and _compile_up_front(old, self.stored_formats, left)   # the first
+        self._compile_checked = True
+        per_format, rows = self.tracker.count_predicted(self.tracked, sample, old, new, self.stored_formats, records,
+                                                        grad, log_lr.reshape(()) if same else log_lr, rows,
+                                                        compile_now)
+        for fmt, (bins, _) in zip(self.stored_formats, per_format):
+            self.ratios.add(fmt.name, self.steps[-1], histograms(bins))
+        if records is self.records:      # (tensor, frozen, gradient) of the first format
+            flags = per_format[0][1]
+            self._add_idle(*torch.stack([flags[:, :, 0].sum(1), flags[:, 1, 1]]).double().tolist())
+        return rows
+
+    def _add_idle(self, idle: List[float], frozen_grad: List[float]) -> None:
+        for j, n in enumerate(self.tracked):
+            self.idle[n].append(idle[j] / self.tracker.sample.counts[j])
+            self.frozen_with_grad[n].append(frozen_grad[j] / self.tracker.sample.counts[j])
+
+    def _watch_counters(self) -> None:
+        """Optimizer-state counters (``step``) held in a float format: do they still count?"""
+        for key, v in state_counters(self.optimizer, {n: self.params[n] for n in self.tracked}).items():
+            last, stuck = self.counters.get(key, (None, 0))
+            self.counters[key] = (v, stuck + (last == v))   # (a float, never None)
 
     def _save_quietly(self) -> None:
         """Save to ``path``; a failure is a warning (once), not the end of the run."""
@@ -227,64 +281,11 @@ class FreezeWatch:
                 warnings.warn(f"{error}; training goes on and the watch keeps its measurements: call "
                               f"watch.save(other_path) to write them elsewhere", RuntimeWarning, stacklevel=2)
 
-    def _add_rows(self, names: List[str], rows: List[torch.Tensor]) -> None:
-        for n, seen in zip(names, rows):
-            seen = seen if seen.dtype == torch.bool else seen > 0
-            self._rows_seen[n] = seen if n not in self._rows_seen else self._rows_seen[n] | seen
-
-    def _add_idle(self, idle: List[float], frozen_grad: List[float]) -> None:
-        for j, n in enumerate(self.tracked):
-            self.idle[n].append(idle[j] / self._plan.counts[j])
-            self.frozen_with_grad[n].append(frozen_grad[j] / self._plan.counts[j])
-
-    def _predict(self, plan: "sampling.SamplePlan", old: torch.Tensor, new: torch.Tensor, grad: torch.Tensor,
-                 formats: List[FloatFormat], records: Dict[str, FreezeRecord], rows=()) -> List[torch.Tensor]:
-        """Prediction's point of each format's record for the update ``new - old``, the forecast's histograms (and the
-        idle fractions, into ``self.records``); returns ``rows`` reduced with the counts."""
-        same = all(lr == self._lr_now[0] for lr in self._lr_now)    # one learning rate: one value for all
-        lrs = torch.tensor(self._lr_now[:1] if same else [self._lr_now[self._group[n]] for n in self.tracked],
-                           dtype=torch.float64)
-        log_lr = torch.log2(lrs.clamp(min=1e-300)).to(torch.float32).to(new.device)
-        left = None if self.total_steps is None else -(-max(0, self.total_steps - self.steps[-1]) // self.every)
-        compile_now = not self._compile_checked and compile_up_front(old, formats, left)   # at the first
-        self._compile_checked = True
-        local = predicted_counts(plan, old, new, grad, formats, log_lr.reshape(()) if same else log_lr, compile_now)
-        reduced = plan.reduce(local + list(rows))    # sharded: the counts of every process added, one all_reduce
-        sums = []
-        for i, fmt in enumerate(formats):
-            hist, flags, moved_sums = reduced[3 * i:3 * i + 3]     # flags: (tensor, frozen, gradient)
-            self._ratios.add(fmt.name, self.steps[-1], hist)
-            sums.append(torch.stack([flags[:, 1].sum(1).double(), flags[:, 1, 1].double(),
-                                     flags[:, :, 0].sum(1).double(), moved_sums]))
-        values = torch.stack(sums).tolist()  # one transfer
-        if records is self.records:
-            self._add_idle(values[0][2], values[0][1])
-        self._append(records, {fmt.name: [(n, frozen[j], plan.counts[j], moved[j]) for j, n in enumerate(self.tracked)]
-                               for fmt, (frozen, _, _, moved) in zip(formats, values)})
-        return reduced[len(local):]
-
-    def _append(self, records: Dict[str, FreezeRecord], rows: Dict[str, list]) -> None:
-        for f, items in rows.items():
-            add_point(records[f], items, self.sizes, moves=records[f].kind == "predicted")
-
-    def _watch_counters(self, step: int) -> None:
-        """Optimizer-state counters (``step``) held in a float format: do they still count?"""
-        for key, v in state_counters(self.optimizer, {n: self._params[n] for n in self.tracked}).items():
-            if self._state_values.get(key) == v:   # (a float, never None)
-                self._stuck_counters[key] = self._stuck_counters.get(key, 0) + 1
-            self._state_values[key] = v
-
-    def held_bytes(self) -> int:
-        """The memory kept from step to step: copies of the followed elements, histograms, flags."""
-        tensors = [t for t in (self._before, self._after) if t is not None] + list(self._rows_seen.values()) \
-            + [self._plan.tensor_id]
-        return sum(t.numel() * t.element_size() for t in tensors) + self._ratios.nbytes()
-
     def detach(self) -> "FreezeWatch":
         """Remove the hooks (the measurements stay); save the report to ``path`` if given."""
         for h in self._handles:
             h.remove()
-        self._handles, self._before = [], None
+        self._handles = []
         if self._bar is not None and hasattr(self._bar, "close"):
             self._bar.close()
         if self.path is not None:
@@ -318,80 +319,35 @@ class FreezeWatch:
         found = {name: freeze_step(values, tau) for name, values in [("overall", rec.overall), *rec.by_tensor.items()]}
         return {name: None if i is None else self.steps[i] for name, i in found.items()}
 
-    def param_group_of(self, name: str) -> int:
-        """The index of the param group that holds ``name``."""
-        return self._group[name]
-
-    def shape_of(self, name: str) -> tuple:
-        """The shape of ``name`` (the whole tensor's, when sharded)."""
-        return tuple(self._params[name].shape)
-
-    def optimizer_state(self, name: str) -> dict:
-        """The optimizer's state of ``name`` (``{}`` before its first step)."""
-        return self.optimizer.state.get(self._params[name], {})
-
-    def stored_formats(self) -> List[FloatFormat]:
-        """The formats stored in (observation) or predicted (prediction)."""
-        return list(dict.fromkeys(self._formats.values())) if self.mode == "observe" else self.formats_given
-
-    def ratio_histogram(self, fmt=None, recent: bool = False) -> torch.Tensor:
-        """A copy of the moving-average histogram ``(tensors, bins)`` (``recent``: the short one)."""
-        return (self._ratios.recent if recent else self._ratios.long)[self.record(fmt).format].clone()
-
-    def ratio_trend(self, fmt=None) -> RatioTrend:
-        """The ratio's medians per tensor at the watched steps, for the forecast's trend."""
-        return self._ratios.trend[self.record(fmt).format]
-
-    def rows_with_gradient(self) -> Dict[str, torch.Tensor]:
-        """Per embedding, one flag per row: had it a gradient on a watched step."""
-        return dict(self._rows_seen)
-
-    def counters(self) -> Dict[tuple, tuple]:
-        """Float optimizer-state counters (Adam's ``step``): ``{(tensor, key): (value, steps stuck)}``."""
-        return {k: (v, self._stuck_counters.get(k, 0)) for k, v in self._state_values.items()}
-
-    def forecast_curves(self, fmt=None, total_steps: Optional[int] = None,
-                        trend: float = 1.0) -> Dict[str, Dict[int, float]]:
-        """:func:`lowprec_demo.monitor.forecast.forecast_curves`."""
-        return watch_forecast.forecast_curves(self, fmt, total_steps, trend)
-
-    def update_ratios(self, fmt=None, q: float = 0.5) -> Dict[str, float]:
-        """:func:`lowprec_demo.monitor.forecast.update_ratios`."""
-        return watch_forecast.update_ratios(self, fmt, q)
-
-    def forecast(self, fmt=None, threshold: Optional[float] = None,
-                 total_steps: Optional[int] = None) -> Dict[str, object]:
-        """:func:`lowprec_demo.monitor.forecast.forecast`, computed when asked (not in the loop)."""
-        return watch_forecast.forecast(self, fmt, threshold, total_steps)
+    def forecast(self, fmt=None, threshold: Optional[float] = None, total_steps: Optional[int] = None,
+                 curves: bool = False) -> Dict[str, object]:
+        """When the model and each tensor will pass the threshold, with a band
+        (:func:`lowprec_demo.monitor.forecast.forecast`; ``curves=True`` adds the frozen fraction ahead), computed
+        when asked (not in the loop)."""
+        return watch_forecast.forecast(self, fmt, threshold, total_steps, curves)
 
     def plan(self, fmt=None, budget: float = 1.0, threshold: Optional[float] = None,
              total_steps: Optional[int] = None, kahan_format="auto", remedies=CLASSIC_REMEDIES) -> FreezePlan:
-        """A remedy per tensor for ``LowPrecisionOptimizer(..., plan=)``: :func:`~lowprec_demo.optim.plan.make_plan`."""
+        """A remedy per tensor for ``LowPrecisionOptimizer(..., plan=)``
+        (:func:`~lowprec_demo.monitor.planning.make_plan`)."""
         return make_plan(self, fmt, budget, threshold, total_steps, kahan_format, remedies)
-
-    def groups(self) -> Dict[str, List[str]]:
-        """Tensors by kind: ``"vectors"`` (1-d), ``"embeddings"`` (named emb, wte, wpe), ``"matrices"``."""
-        return {kind: list(members) for kind, members in self._groups.items()}
 
     def diagnoses(self) -> List[Diagnosis]:
         """What cannot move, and why (:func:`~lowprec_demo.monitor.diagnoses.diagnose`)."""
         return diagnose(self)
 
-    def to_dict(self) -> dict:
-        """:func:`lowprec_demo.monitor.report.report_data`."""
-        return report_data(self)
-
-    def save(self, path) -> None:
-        """:func:`lowprec_demo.monitor.report.save_report`."""
-        save_report(self, path)
+    def report(self) -> WatchReport:
+        """The report as it stands (:class:`~lowprec_demo.monitor.report.WatchReport`: ``summary()``, ``plot()``,
+        ``data``), the same as a saved one read back."""
+        return WatchReport(jsonable(report_data(self)))
 
     def summary(self, fmt=None, show: bool = True) -> str:
-        """The table of :meth:`WatchReport.summary`, printed unless ``show=False``, and returned."""
-        return WatchReport(jsonable(self.to_dict())).summary(None if fmt is None else watch_format(fmt), show=show)
+        """The report's table (:meth:`WatchReport.summary`), printed unless ``show=False``, and returned."""
+        return self.report().summary(None if fmt is None else watch_format(fmt), show=show)
 
-    def plot(self, fmt=None, ax=None):
-        """The frozen fraction of each group over the steps, the forecast dashed."""
-        return WatchReport(jsonable(self.to_dict())).plot(None if fmt is None else watch_format(fmt), ax=ax)
+    def save(self, path) -> None:
+        """Write the report to ``path`` as JSON (:func:`lowprec_demo.monitor.report.save_report`)."""
+        save_report(self, path)
 
 
 def watch(model: torch.nn.Module, optimizer, formats: Sequence = ("bf16",), scheduler=None, every: int = 1,

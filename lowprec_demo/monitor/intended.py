@@ -11,11 +11,11 @@ freeze watch's followed elements (float64), for a model stored in bf16 or fp16 (
 A parameter without a gradient is skipped by the step: ``d = 0``. Other optimizers: :func:`unsupported` says so.
 
 Example:
-    >>> from lowprec_demo.monitor.sampling import SamplePlan
+    >>> from lowprec_demo.freeze.sampling import Sample
     >>> w = torch.nn.Parameter(torch.tensor([1.0, -2.0, 3.0]))
     >>> opt = torch.optim.AdamW([w], lr=0.1, weight_decay=0.5)
     >>> old = w.detach().clone(); w.grad = torch.tensor([1.0, 1.0, -1.0]); opt.step()
-    >>> d = intended_update(opt, SamplePlan([w], None), [w], [0.1], old, w.grad)
+    >>> d = intended_update(opt, Sample([w], None), [w], [0.1], old, w.grad)
     >>> torch.allclose(d.float(), w.detach() - old), [round(x, 6) for x in d.tolist()]
     (True, [-0.15, 0.0, -0.05])
 """
@@ -52,7 +52,7 @@ def _zeros(p: torch.Tensor) -> torch.Tensor:
     return p.new_zeros(()).expand(p.shape)
 
 
-def intended_update(optimizer, plan, params: List[torch.Tensor], lrs: List[float], old: torch.Tensor,
+def intended_update(optimizer, sample, params: List[torch.Tensor], lrs: List[float], old: torch.Tensor,
                     grad: torch.Tensor) -> torch.Tensor:
     """The module docstring's ``d`` at the followed elements of ``params`` (float64), from ``optimizer``'s state after
     the step; ``lrs`` the learning rate of each parameter at the step, ``old`` and ``grad`` the followed elements."""
@@ -66,7 +66,7 @@ def intended_update(optimizer, plan, params: List[torch.Tensor], lrs: List[float
 
     def state(keys) -> torch.Tensor:               # a key, or one per parameter
         found = [s.get(k) for s, k in zip(states, [keys] * len(params) if isinstance(keys, str) else keys)]
-        return plan.gather([_zeros(p) if v is None else v for p, v in zip(params, found)]).double()
+        return sample.gather([_zeros(p) if v is None else v for p, v in zip(params, found)]).double()
 
     # per tensor, then per element in one indexing: lr is 0 where no gradient (the step skips the parameter)
     lr = per_tensor(lrs) * per_tensor(p.grad is not None for p in params)
@@ -77,7 +77,7 @@ def intended_update(optimizer, plan, params: List[torch.Tensor], lrs: List[float
         decoupled = per_tensor(isinstance(opt, torch.optim.AdamW) or g.get("decoupled_weight_decay", False)
                                for g in groups)
         c = torch.stack([lr / (1 - beta1 ** t.clamp(min=1)), 1 / (1 - beta2 ** t.clamp(min=1)),
-                         per_tensor(g["eps"] for g in groups), decoupled * lr * wd])[:, plan.tensor_id.long()]
+                         per_tensor(g["eps"] for g in groups), decoupled * lr * wd])[:, sample.tensor_id.long()]
         v = state(["max_exp_avg_sq" if g["amsgrad"] else "exp_avg_sq" for g in groups])
         return -c[0] * state("exp_avg") / ((v * c[1]).sqrt() + c[2]) - c[3] * old
     # SGD: d = -lr (k_g g' + k_buf buf)
@@ -85,5 +85,5 @@ def intended_update(optimizer, plan, params: List[torch.Tensor], lrs: List[float
     k_g = per_tensor(1.0 if m == 0 or g["nesterov"] else 0.0 for m, g in zip(mom, groups))
     k_buf = per_tensor(0.0 if m == 0 else m if g["nesterov"] else 1.0 for m, g in zip(mom, groups))
     sign = per_tensor(-1.0 if g["maximize"] else 1.0 for g in groups)
-    c = torch.stack([lr * k_g * sign, lr * k_g * wd, lr * k_buf])[:, plan.tensor_id.long()]
+    c = torch.stack([lr * k_g * sign, lr * k_g * wd, lr * k_buf])[:, sample.tensor_id.long()]
     return -(c[0] * grad.double() + c[1] * old + c[2] * state("momentum_buffer"))

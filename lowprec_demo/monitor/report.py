@@ -55,7 +55,7 @@ def report_data(watch) -> dict:
             curves[f] = {n: {str(s): v for s, v in c.items()} for n, c in forecasts[f].pop("curves").items()}
     return {"kind": "lowprec_demo.watch", "mode": watch.mode, "formats": watch.formats, "threshold": watch.threshold,
             "every": watch.every, "total_steps": watch.total_steps, "steps": watch.steps, "lrs": watch.lrs,
-            "sizes": {n: watch.sizes[n] for n in watch.tracked}, "groups": watch.groups(),
+            "sizes": {n: watch.sizes[n] for n in watch.tracked}, "groups": watch.groups,
             "records": {f: r.to_dict() for f, r in watch.records.items()}, "idle": watch.idle,
             "frozen_since": {f: watch.frozen_since(f) for f in watch.formats},
             "forecast": forecasts, "forecast_curves": curves,
@@ -68,7 +68,7 @@ def save_report(watch, path) -> None:
     import torch.distributed as dist
     if watch.sharded and dist.get_rank() != 0:
         return
-    data = jsonable(watch.to_dict())
+    data = jsonable(report_data(watch))
     try:
         atomic_write_json(path, data)
     except OSError as error:     # it may name the temporary file beside the target: name the target

@@ -1,7 +1,7 @@
-"""Which elements the freeze watch follows: every element of a tensor of up to ``sample``, else an evenly strided
-sample, the same every step (:class:`SamplePlan`), all laid end to end so that each computation runs once and
-per-tensor sums come from one pass. Under FSDP2 each process takes those in its pieces (:class:`ShardedSamplePlan`),
-and one ``all_reduce`` per watched step adds the counts."""
+"""Which elements a freeze tracker follows: every element of a tensor of up to ``sample`` (all of them for None), else
+an evenly strided sample, the same every step (:class:`Sample`), all laid end to end so that each computation runs once
+and per-tensor sums come from one pass. Under FSDP2 each process takes those in its pieces (:class:`ShardedSample`),
+and one ``all_reduce`` per step adds the counts."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from lowprec_demo.optim.sharding import local_part, check_placements, flat_offset, row_range, counts_here
+from lowprec_demo.common.sharding import local_part, check_placements, flat_offset, row_range, counts_here
 
-__all__ = ["SamplePlan", "ShardedSamplePlan"]
+__all__ = ["Sample", "ShardedSample"]
 
 
 def _stride(n: int, sample: Optional[int]) -> int:
@@ -30,8 +30,8 @@ def _end_to_end(parts: List[torch.Tensor], out: Optional[torch.Tensor] = None) -
     return torch.cat(parts)
 
 
-class SamplePlan:
-    """The followed elements of each tensor in one process (see the module docstring)."""
+class Sample:
+    """The followed elements of each tensor in one process (see the module docstring); ``counts`` per tensor."""
 
     def __init__(self, tensors: List[torch.Tensor], sample: Optional[int]) -> None:
         self.strides = [_stride(t.numel(), sample) for t in tensors]
@@ -79,8 +79,8 @@ class SamplePlan:
         return tensors
 
 
-class ShardedSamplePlan:
-    """:class:`SamplePlan`'s elements in this process's pieces: ``counts`` are the whole tensors',
+class ShardedSample:
+    """:class:`Sample`'s elements in this process's pieces: ``counts`` are the whole tensors',
     ``tensor_id`` the local elements', per-tensor sums local until :meth:`reduce`."""
 
     def __init__(self, tensors: List[torch.Tensor], sample: Optional[int]) -> None:
