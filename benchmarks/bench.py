@@ -62,7 +62,7 @@ from lowprec_demo.book.experiments import get_experiment, make_config
 from lowprec_demo.formats import get_format
 from machine import compiler_vector_width, cpu_vector_extensions, load_average, machine_record
 from lowprec_demo.optim.optimizer import LowPrecisionOptimizer
-from lowprec_demo.freeze.prediction import FreezeObserver, FreezePredictor
+from lowprec_demo.freeze import FreezeObserver, FreezePredictor
 from lowprec_demo.monitor.freeze_watch import watch
 from lowprec_demo.rounding import quantize, quantize_
 from lowprec_demo.book.results import atomic_write_json
@@ -98,7 +98,7 @@ STEP_SECONDS = 0.25   # a training step shorter than this is timed over several 
 # compiling
 # ------------------------------------------------------------------------------------------------
 def warm_up(device: str) -> dict:
-    """Compile every kernel the package uses (the four versions of the step kernel among them) and time each first
+    """Compile every kernel the package uses (the three versions of the step kernel among them) and time each first
     call."""
     x = torch.randn(4096, device=device)
     fmt, zero = get_format("e5m3"), torch.zeros((), device=device)
@@ -107,10 +107,7 @@ def warm_up(device: str) -> dict:
         "nearest": lambda: quantize(x, fmt), "nearest_": lambda: quantize_(x.clone(), fmt),
         "stochastic": lambda: quantize(x, fmt, "stochastic", generator=1),
         "stochastic_": lambda: quantize_(x.clone(), fmt, "stochastic", generator=1),
-        "step (one tensor)": lambda: freeze_rule.step_codes(x, x + 1e-3, None, zero.to(torch.int32), None, fmt,
-                                                           moves_sum=True, octaves=True),
-        "step (a pack)": lambda: freeze_rule.step_codes(x, x + 1e-3, None, ids, None, fmt, moves_sum=True,
-                                                       octaves=True),
+        "step (the predictor's)": lambda: freeze_rule.step_codes(x, x + 1e-3, None, ids, None, fmt),
         "step (one learning rate)": lambda: freeze_rule.step_codes(x, x + 1e-3, grad, ids, zero, fmt),
         "step (one per tensor)": lambda: freeze_rule.step_codes(x, x + 1e-3, grad, ids, torch.zeros(2, device=device),
                                                                fmt),
@@ -437,8 +434,9 @@ def bench_training(model_name: str, device: str, repeats: int, variants=VARIANTS
 
 
 def _held_bytes(opt, tracker) -> int:
-    """Memory a variant keeps between steps beyond the model and its optimizer: the tracker's
-    buffers and LowPrecisionOptimizer's (their ``held_bytes()``)."""
+    """Memory a variant keeps between steps beyond the model and its optimizer: the tracker's buffers (a watch's:
+    ``watch.tracker``) and LowPrecisionOptimizer's (their ``held_bytes()``)."""
+    tracker = getattr(tracker, "tracker", tracker)
     return sum(x.held_bytes() for x in (opt, tracker) if x is not None and hasattr(x, "held_bytes"))
 
 

@@ -32,8 +32,8 @@ from lowprec_demo.rounding.round_to_grid import (LAYOUTS, RoundParams, hash32, n
 from lowprec_demo.common import packing
 from lowprec_demo.formats import get_format
 from lowprec_demo.optim.optimizer import LowPrecisionOptimizer
-from lowprec_demo.freeze.counts import fewbit_count, fold_octaves, frozen_per_tensor, histograms, step_counts
-from lowprec_demo.freeze.prediction import RATIO_BINS, FreezeObserver, FreezePredictor
+from lowprec_demo.freeze import RATIO_BINS, FreezeObserver, FreezePredictor
+from lowprec_demo.freeze.counts import fewbit_count, fold_octaves, histograms, step_counts
 from lowprec_demo.rounding import move_probability, quantize, random_bits, update_ulp_ratio, would_freeze
 
 pytestmark = [pytest.mark.filterwarnings("ignore:invalid value encountered in cast:RuntimeWarning"),
@@ -403,9 +403,10 @@ def test_step_code_under_every_overflow_policy(compiled, key):
         assert same_bits(moves, move_probability(stored, update, fmt)), policy
 
 
-def test_the_step_kernel_compiles_four_versions_whatever_the_sizes():
+def test_the_step_kernel_compiles_three_versions_whatever_the_sizes():
     """torch.compile keeps at most 8 versions of a function per process (then it raises, and the package goes eager):
-    the calls of the predictor and the watch, at any size and number of tensors, compile four."""
+    the calls of the trackers (the predictor's: no gradient, no shift; the watch's: one learning rate, or one per
+    tensor), at any size and number of tensors, compile three."""
     entries = getattr(torch._dynamo.eval_frame, "_debug_get_cache_entry_list", None)
     if entries is None:
         pytest.skip("this torch has no torch._dynamo.eval_frame._debug_get_cache_entry_list to count versions with")
@@ -418,14 +419,13 @@ def test_the_step_kernel_compiles_four_versions_whatever_the_sizes():
             old = torch.randn(n)
             new, grad = old + 1e-3 * torch.randn(n), torch.randn(n)
             ids = (torch.arange(n, dtype=torch.int32) * tensors) // n
-            zero = torch.zeros(())
-            step_counts(old, new, fmt, zero.to(torch.int32), 1, None, moves_sum=True, octaves=True)
-            step_counts(old, new, fmt, ids, tensors, None, moves_sum=True, rand_bits=3, octaves=True)
+            step_counts(old, new, fmt, ids, tensors, None)
+            step_counts(old, new, fmt, ids, tensors, None, rand_bits=3)
             step_counts(old, new, fmt, ids, tensors, torch.tensor(-9.5), grad)
             step_counts(old, new, fmt, ids, tensors, torch.linspace(-20, 0, tensors), grad)
         if round_to_grid._compiled.get((freeze_rule._step_kernel, "cpu")) is None:
             pytest.skip("torch.compile is not available here")
-        assert len(entries(freeze_rule._step_kernel.__code__)) == 4
+        assert len(entries(freeze_rule._step_kernel.__code__)) == 3
     finally:
         round_to_grid.set_mode(previous)
 
@@ -433,8 +433,8 @@ def test_the_step_kernel_compiles_four_versions_whatever_the_sizes():
 @pytest.mark.parametrize("mode", ["off", "on"])
 @pytest.mark.parametrize("edges", [RATIO_BINS, list(range(-10, 3)), list(range(-60, 2)), list(range(-64, 33))])
 def test_the_ratio_bins_are_those_of_their_edges(edges, mode):
-    """The count of a step (step_counts: one tensor, or a pack of two with gaps between them) folded into whole
-    octaves is bucketize(log2 ratio, edges) for any consecutive integer edges within the bins' range; the frozen
+    """The count of a step (step_counts: one tensor, or a pack of two with gaps between them), its eighths folded into
+    whole octaves, is bucketize(log2 ratio, edges) for any consecutive integer edges within the bins' range; the frozen
     elements per tensor and the few-bit count (ratios up to 2**-(k+1)) are those of the rule; other edges are
     refused."""
     old, new = freeze_cases("e4m3")
@@ -450,21 +450,19 @@ def test_the_ratio_bins_are_those_of_their_edges(edges, mode):
     previous = round_to_grid.set_mode(mode)
     try:
         for k in (None, 3):
-            # the predictor's whole octaves (one tensor, a pack) and the watch's eighths unshifted (flag set everywhere)
-            one = step_counts(old, new, fmt, zero.to(torch.int32), 1, None, rand_bits=k, moves_sum=True,
-                              octaves=True)[0]
-            several = step_counts(old2, new2, fmt, two.tensor_ids(), 3, None, rand_bits=k, moves_sum=True,
-                                  octaves=True)[0][:2]
+            # the predictor's (one tensor, a pack; no flag, no shift) and the watch's (a zero shift, the flag set)
+            one = step_counts(old, new, fmt, every, 1, None, rand_bits=k)[0]
+            several = step_counts(old2, new2, fmt, two.tensor_ids(), 3, None, rand_bits=k)[0][:2]
             eighths = step_counts(old, new, fmt, every, 1, zero, ones, rand_bits=k)[0]
             eighths2 = step_counts(old2, new2, fmt, two.tensor_ids(), 3, zero, torch.ones_like(old2), rand_bits=k)[0][:2]
-            assert one.shape == (1, OCTAVES + 1, 2, 1) and eighths.shape == (1, BINS + 1, 2, 2)
+            assert one.shape == eighths.shape == (1, BINS + 1, 2, 2)
             for counts, frozen_want in ((one, [frozen.sum().item()]), (eighths, [frozen.sum().item()]),
                                         (several, [frozen[:cut].sum().item(), frozen[cut:].sum().item()]),
                                         (eighths2, [frozen[:cut].sum().item(), frozen[cut:].sum().item()])):
-                hist = histograms(counts, nan="drop").sum(0).tolist()
+                hist = histograms(counts.sum((2, 3)), nan="drop").sum(0).tolist()
                 assert fold_octaves(hist, edges) == want, (edges[0], k)
                 assert fold_octaves(torch.tensor(hist), edges).tolist() == want
-                assert frozen_per_tensor(counts).tolist() == frozen_want
+                assert counts[:, :, 1].sum((1, 2)).tolist() == frozen_want
                 if k is not None:
                     assert fewbit_count(hist, k) == (r <= 2.0 ** -(k + 1)).sum().item()
                     assert fewbit_count(torch.tensor(hist), k).item() == (r <= 2.0 ** -(k + 1)).sum().item()
@@ -473,7 +471,7 @@ def test_the_ratio_bins_are_those_of_their_edges(edges, mode):
     for bad in ([0, 2, 3], [], list(range(-70, 1)), [125, 126, 127]):
         with pytest.raises(ValueError):
             fold_octaves([0] * BINS, bad)
-    with pytest.raises(ValueError, match="770 eighth-octave or 98 octave bins"):
+    with pytest.raises(ValueError, match="770 eighth-octave bins"):
         fold_octaves([0] * 99, edges)
 
 
@@ -511,87 +509,94 @@ def _run_trackers(trackers, tensors, steps=4):
             t.after_step()
 
 
+class Reference:
+    """A tracker written from the public functions, tensor by tensor: per format, the frozen fraction of each tensor
+    (the rule, or an unchanged stored value), NaN before a tensor appears, and the exact ratio histogram."""
+
+    def __init__(self, source, formats=None):
+        self.source, self.formats = source, formats
+        self.by_tensor = {f: {} for f in formats or [""]}
+        self.hist = {f: np.zeros(len(RATIO_BINS) + 1, dtype=np.int64) for f in formats or []}
+        self.steps = 0
+
+    def before_step(self):
+        self.old = {k: v.detach().clone() for k, v in self.source().items()}
+
+    def after_step(self):
+        now = self.source()
+        for f in self.formats or [""]:
+            for k, old in self.old.items():
+                new = now[k].detach()
+                if f:
+                    stored = quantize(old, f)
+                    frozen = would_freeze(stored, new - old, f)
+                    bins = exact_bins(update_ulp_ratio(stored, new - old, f).reshape(-1))
+                    self.hist[f] += np.bincount(bins[bins >= 0].numpy(), minlength=len(RATIO_BINS) + 1)
+                else:
+                    frozen = new == old
+                curve = self.by_tensor[f].setdefault(k, [math.nan] * self.steps)
+                curve.append(frozen.sum().item() / frozen.numel() if frozen.numel() else math.nan)
+        self.steps += 1
+
+
 @pytest.mark.parametrize("mode", ["off", "on"])
 @pytest.mark.parametrize("rand_bits", [3, None])
-def test_packed_predictor_matches_the_tensor_by_tensor_path(mode, rand_bits):
+def test_the_predictor_is_the_rule_tensor_by_tensor(mode, rand_bits):
     tensors = _tracked_tensors()
     tensors["z"] = torch.zeros(0)   # no elements: a NaN fraction
     formats = ["bf16", "e4m3", "e5m3", "e2m1"]
-    packed = FreezePredictor(tensors, formats, rand_bits=rand_bits)
-    by_tensor = FreezePredictor(tensors, formats, rand_bits=rand_bits)
-    by_tensor._after_step_packed = lambda packed: by_tensor._after_step_by_tensor()
-    exact_hist = {f: np.zeros(len(RATIO_BINS) + 1, dtype=np.int64) for f in formats}
-
-    class Histogram:   # the exact histogram of every step, from the public freeze functions
-        def before_step(self):
-            self.old = {k: v.clone() for k, v in tensors.items()}
-
-        def after_step(self):
-            for f in formats:
-                for k, v in tensors.items():
-                    ratio = update_ulp_ratio(quantize(self.old[k], f), v - self.old[k], f)
-                    bins = exact_bins(ratio.reshape(-1))
-                    exact_hist[f] += np.bincount(bins[bins < 63].numpy(), minlength=len(RATIO_BINS) + 1)
-
+    predictor, reference = FreezePredictor(tensors, formats, rand_bits=rand_bits), Reference(lambda: tensors, formats)
     previous = round_to_grid.set_mode(mode)
     try:
-        _run_trackers([packed, by_tensor, Histogram()], tensors)
+        _run_trackers([predictor, reference], tensors)
     finally:
         round_to_grid.set_mode(previous)
     for f in formats:
-        a, b = packed.record(f), by_tensor.record(f)
-        assert repr(a.by_tensor) == repr(b.by_tensor) and a.overall == b.overall and a.sizes == b.sizes
-        assert all(map(math.isnan, a.by_tensor["z"]))
-        assert a.fewbit_frozen == b.fewbit_frozen
-        assert a.move_fraction == pytest.approx(b.move_fraction, rel=1e-6)
-        assert a.ratio_histogram == exact_hist[f].tolist()
-        assert sum(a.ratio_histogram) == sum(b.ratio_histogram)
+        rec = predictor.record(f)
+        assert repr(rec.by_tensor) == repr(reference.by_tensor[f]) and all(map(math.isnan, rec.by_tensor["z"]))
+        assert rec.ratio_histogram == reference.hist[f].tolist()
+        assert len(rec.move_fraction) == 4 and len(rec.fewbit_frozen) == (4 if rand_bits else 0)
 
 
 @pytest.mark.parametrize("mode", ["off", "on"])
-def test_packed_observer_matches_the_tensor_by_tensor_path(mode):
+def test_the_observer_counts_unchanged_stored_values(mode):
     tensors = _tracked_tensors()
     # special values (NaN never equals itself, inf does, -0 equals 0) and a tensor of no elements
     tensors["s"] = torch.tensor([math.nan, math.inf, -0.0, 0.0, 1.0, -math.inf, math.nan])
     tensors["z"] = torch.zeros(0)
-    packed, by_tensor = FreezeObserver(tensors), FreezeObserver(tensors)
-    by_tensor._packed_now = lambda: None
+    observer, reference = FreezeObserver(tensors), Reference(lambda: tensors)
     with torch.no_grad():
         tensors["a"][:100] = quantize(tensors["a"][:100], "e2m1")   # some elements do not move
     previous = round_to_grid.set_mode(mode)
     try:
         g = torch.Generator().manual_seed(2)
         for _ in range(3):
-            packed.before_step(), by_tensor.before_step()
+            observer.before_step(), reference.before_step()
             for t in tensors.values():
                 t.copy_(quantize(t + 1e-3 * torch.randn(t.shape, generator=g), "e4m3"))
-            packed.after_step(), by_tensor.after_step()
+            observer.after_step(), reference.after_step()
     finally:
         round_to_grid.set_mode(previous)
-    assert repr(packed.record().by_tensor) == repr(by_tensor.record().by_tensor)   # (NaN included)
-    assert packed.record().overall == by_tensor.record().overall
-    assert len(packed.record().by_tensor["s"]) == 3 and all(map(math.isnan, packed.record().by_tensor["z"]))
+    assert repr(observer.record().by_tensor) == repr(reference.by_tensor[""])   # (NaN included)
+    assert len(observer.record().by_tensor["s"]) == 3 and all(map(math.isnan, observer.record().by_tensor["z"]))
 
 
 def test_trackers_follow_tensors_that_appear_later():
-    """State tensors appear after the first step: the tensor by tensor path takes that step,
-    the packed path the next ones, and the records agree with a fresh by-tensor observer."""
+    """State tensors appear after the first step: that step counts the tensors there before it, the next ones all."""
     w = torch.nn.Parameter(torch.zeros(70_000))
     opt = torch.optim.Adam([w], lr=0.1)
 
     def source():
         return {"w": w, **({"m": opt.state[w]["exp_avg"]} if opt.state[w] else {})}
-    packed, reference = FreezeObserver(source), FreezeObserver(source)
-    reference._packed_now = lambda: None
+    observer, reference = FreezeObserver(source), Reference(source)
     for _ in range(3):
         w.grad = torch.zeros_like(w)
         w.grad[:10] = 1.0
-        packed.before_step(), reference.before_step()
+        observer.before_step(), reference.before_step()
         opt.step()
-        packed.after_step(), reference.after_step()
-    assert math.isnan(packed.record().by_tensor["m"][0])
-    assert repr(packed.record().by_tensor) == repr(reference.record().by_tensor)   # (NaN included)
-    assert packed.record().overall == reference.record().overall
+        observer.after_step(), reference.after_step()
+    assert math.isnan(observer.record().by_tensor["m"][0])
+    assert repr(observer.record().by_tensor) == repr(reference.by_tensor[""])   # (NaN included)
 
 
 # ------------------------------------------------------------------------------------------------
