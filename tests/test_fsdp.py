@@ -108,7 +108,7 @@ def _train(model, opt, sched, steps, world: int, rank: int, sharded: bool):
 
 
 def _full(t):
-    from lowprec_demo.optim.sharding import is_sharded
+    from lowprec_demo.common.sharding import is_sharded
     return t.full_tensor() if is_sharded(t) else t
 
 
@@ -162,7 +162,7 @@ def _worker(out_path: str) -> None:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     import lowprec_demo as lp
-    from lowprec_demo.optim import packing, sharding
+    from lowprec_demo.common import packing, sharding
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -268,7 +268,7 @@ def test_a_bad_index_offset_is_refused():
 
 
 def test_plain_tensors_are_their_own_whole():
-    from lowprec_demo.optim import sharding
+    from lowprec_demo.common import sharding
     t = torch.ones(4, 3)
     assert not sharding.any_sharded([t]) and sharding.local_part(t) is t
     assert sharding.flat_offset(t) == 0 and sharding.row_range(t) == (0, 4)

@@ -216,12 +216,15 @@ def test_round_params_nearest_and_stochastic():
 
 
 def test_held_bytes_count_what_is_kept_between_steps():
-    small = [torch.nn.Parameter(torch.randn(10)) for _ in range(5)]   # packed into one buffer of 50
+    small = [torch.nn.Parameter(torch.randn(10)) for _ in range(5)]
+    homes = {p.untyped_storage().data_ptr() for p in small}
     opt = lp.LowPrecisionOptimizer(torch.optim.SGD(small, lr=0.1), "bf16")
-    assert opt.held_bytes() == 0 and len({p.untyped_storage().data_ptr() for p in small}) == 1   # they live in it
+    assert opt.held_bytes() == 0 and {p.untyped_storage().data_ptr() for p in small} == homes   # each its own
+    packed = lp.LowPrecisionOptimizer(torch.optim.SGD(small, lr=0.1), "bf16", pack=True)   # one buffer of 50
+    assert packed.held_bytes() == 0 and len({p.untyped_storage().data_ptr() for p in small}) == 1   # they live in it
     shared = torch.randn(50)     # views of one tensor stay there: the pack's buffer is memory of its own
     views = [torch.nn.Parameter(shared[10 * i:10 * i + 10]) for i in range(5)]
-    assert lp.LowPrecisionOptimizer(torch.optim.SGD(views, lr=0.1), "bf16").held_bytes() == 50 * 4
+    assert lp.LowPrecisionOptimizer(torch.optim.SGD(views, lr=0.1), "bf16", pack=True).held_bytes() == 50 * 4
     kahan = lp.LowPrecisionOptimizer(torch.optim.SGD([torch.nn.Parameter(torch.randn(1000))], lr=0.1), "bf16",
                                      compensation="kahan")
     before = kahan.held_bytes()

@@ -169,9 +169,9 @@ def test_kahan_recovers_lost_updates():
     assert on_grid(kahan, "bf16")
 
 
-def test_kahan_in_flat_tensors_is_kahan_tensor_by_tensor():
-    # contiguous float32 tensors are compensated end to end in two flat tensors, where weights and
-    # buffers live; a strided one sends the step tensor by tensor: the same bits both ways, both buffers
+def test_kahan_on_a_strided_parameter_is_kahan_on_a_contiguous_one():
+    # each weight and its buffer compensated in place: a strided weight takes the same steps to the
+    # same bits as a contiguous one, with either buffer
     torch.manual_seed(0)
     values = [torch.randn(5, 3), torch.randn(7), torch.randn(3, 4)]
     grads = [[torch.randn_like(v) * 10.0 ** -k for v in values] for k in range(2, 6) for _ in range(5)]
@@ -216,14 +216,27 @@ def _rounded_sgd_run(model, steps, opt=None):
                     p.copy_(lp.quantize(p, "bf16"))
 
 
-def test_small_parameters_live_in_their_pack_with_the_same_bits():
-    # the small tensors are rounded in one pack, whose buffer they live in from the start: a step
-    # copies nothing in or out, and the weights are those of rounding each tensor alone
+def test_parameters_keep_their_storage_unless_packing_is_asked():
+    # by default every parameter is rounded where it lies; the weights are those of rounding each alone
     model, reference = small_model(), small_model()
-    opt = LowPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.3), "bf16")
+    params = list(model.parameters())
+    home = _storages(params)
+    opt = LowPrecisionOptimizer(torch.optim.SGD(params, lr=0.3), "bf16")
+    _rounded_sgd_run(model, range(4), opt)
+    _rounded_sgd_run(reference, range(4))
+    assert _storages(params) == home and len(home) == 4 and opt.held_bytes() == 0 and not opt.packs.plans
+    assert all(torch.equal(p.view(torch.int32), q.view(torch.int32)) for p, q in zip(params, reference.parameters()))
+
+
+def test_small_parameters_live_in_their_pack_with_the_same_bits():
+    # with pack=True the small tensors are rounded in one pack, whose buffer they live in from the
+    # start: a step copies nothing in or out, and the weights are those of rounding each tensor alone
+    model, reference = small_model(), small_model()
+    opt = LowPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.3), "bf16", pack=True)
     params = list(model.parameters())
     home = _storages(params)
     assert len(home) == 1 and opt.held_bytes() == 0      # one buffer, and it is theirs
+    assert "pack=True" in repr(opt)
     _rounded_sgd_run(model, range(4), opt)
     _rounded_sgd_run(reference, range(4))
     assert _storages(params) == home
@@ -239,11 +252,11 @@ def test_small_parameters_live_in_their_pack_with_the_same_bits():
 
 
 def test_parameters_sharing_memory_are_not_moved():
-    # two parameters that are views of one tensor stay views of it (moving them into a pack would
-    # part them): their values are copied in and back, and rounded all the same
+    # asked to pack, two parameters that are views of one tensor stay views of it (moving them into a
+    # pack would part them): their values are copied in and back, and rounded all the same
     base = torch.randn(12)
     a, b = torch.nn.Parameter(base[:5]), torch.nn.Parameter(base[5:])
-    opt = LowPrecisionOptimizer(torch.optim.SGD([a, b], lr=1e-2), "bf16")
+    opt = LowPrecisionOptimizer(torch.optim.SGD([a, b], lr=1e-2), "bf16", pack=True)
     assert a.untyped_storage().data_ptr() == base.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
     assert torch.equal(base, lp.quantize(base, "bf16"))
     a.grad, b.grad = torch.ones(5), torch.ones(7)
@@ -252,16 +265,17 @@ def test_parameters_sharing_memory_are_not_moved():
     assert opt.held_bytes() == 12 * 4    # the pack's buffer is its own memory here
 
 
-def test_kahan_weights_and_buffers_live_in_two_flat_tensors():
-    # Kahan keeps no work tensors: the weights and the buffers each live in one flat tensor, so
-    # it holds the buffers and nothing more
+def test_kahan_compensates_in_place_and_holds_its_buffers_only():
+    # Kahan keeps no work tensors: each weight stays where it lies, each buffer is a tensor of its
+    # own, and the wrapper holds the buffers and nothing more
     model = small_model()
-    opt = LowPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=1e-4), "bf16", compensation="kahan")
+    params = list(model.parameters())
+    home = _storages(params)
+    opt = LowPrecisionOptimizer(torch.optim.SGD(params, lr=1e-4), "bf16", compensation="kahan")
     for s in range(3):
         step_once(model, opt, s)
-    params = list(model.parameters())
     buffers = [opt._compensation_buffers[p] for p in params]
-    assert len(_storages(params)) == 1 and len(_storages(buffers)) == 1 and _storages(params) != _storages(buffers)
+    assert _storages(params) == home and len(_storages(buffers)) == len(params)
     assert opt.held_bytes() == sum(p.numel() * 4 for p in params)
     assert any(b.any() for b in buffers)
 
@@ -421,7 +435,7 @@ def test_tensors_move_between_the_packs_of_one_wrapper():
     model = small_model()
     plan = {"0.weight": "stochastic", "0.bias": "stochastic", "2.weight": "nearest", "2.bias": "nearest"}
     names = [n for n, _ in model.named_parameters()]
-    opt = LowPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), "bf16", generator=1,
+    opt = LowPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), "bf16", generator=1, pack=True,
                                 plan=lp.FreezePlan("bf16", plan, positions={n: names.index(n) for n in names}))
     params = dict(model.named_parameters())
     assert len(_storages(params.values())) == 1

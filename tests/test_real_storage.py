@@ -262,3 +262,46 @@ def test_no_working_copy_outlives_its_step():
     gc.collect()
     assert made and all(ref() is None for ref in made)
     assert all(not plan for plan in opt.packs.plans.values()) and opt.held_bytes() == 0
+
+
+def test_a_closure_comes_first_on_the_stored_weights_and_inner_hooks_run_once():
+    """A closure (Lightning gives one) is evaluated before the step, on the stored weights, through attach_plan's hooks
+    as through the wrapper: the same bits as the gradients set before ``step()``. The hooks on the inner optimizer run
+    once per step, over every parameter (those stored in bf16 as float32 working copies)."""
+    names = [n for n, _ in _model().named_parameters()]
+    remedies = dict(zip(names, ["master", "kahan", "stochastic", "remainder", "nearest", "feedback"]))
+    plan = FreezePlan("bf16", remedies, sizes={n: p.numel() for n, p in _model().named_parameters()})
+    runs = []
+    for closure in (False, True):
+        model = _model().to(torch.bfloat16)
+        inner = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        attached, seen, hooked = attach_plan(inner, plan, model=model, generator=1), [], []
+        inner.register_step_pre_hook(lambda o, a, k: hooked.append({p.dtype for g in o.param_groups for p in g["params"]}))
+        for step in _grads(model, 3):
+            def set_grads(step=step):
+                seen.append({p.dtype for p in model.parameters()})
+                for p, g in zip(model.parameters(), step):
+                    p.grad = g.clone()
+                return 0.0
+            if closure:
+                inner.step(set_grads)
+            else:
+                set_grads()
+                inner.step()
+        attached.detach_plan()
+        runs.append(_bits(model.parameters()))
+        assert seen == [{torch.bfloat16}] * 3 and len(hooked) == 3
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    w = torch.nn.Parameter(torch.ones(4))
+    opt = LowPrecisionOptimizer(torch.optim.SGD([w], lr=1e-3), "bf16", master_weights=True)
+    weights = []
+
+    def closure():
+        weights.append(w.detach().clone())
+        w.grad = torch.ones(4)
+        return 0.0
+    for _ in range(3):
+        assert opt.step(closure) == 0.0
+    # the stored weights, on the grid, not the master (1 - k/1000)
+    assert all(torch.equal(x, x.to(torch.bfloat16).float()) for x in weights) and torch.equal(weights[1], weights[0])
+    assert torch.equal(opt._masters[w], torch.ones(4) - 1e-3 - 1e-3 - 1e-3)

@@ -47,7 +47,8 @@ def gpt2_trainer(tmp_path, callback, dtype=torch.float32, steps=4, **options):
                     disable_tqdm=True)
     settings.update(options)
     args = transformers.TrainingArguments(**settings)
-    return transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[callback])
+    return transformers.Trainer(model=model, args=args, train_dataset=data,
+                                callbacks=None if callback is None else [callback])
 
 
 # ---- misconfiguration: at construction or before the first step -------------------------------
@@ -254,16 +255,17 @@ def test_a_warning_when_no_watched_parameter_requires_grad():
 
 # ---- Hugging Face: the values in the history and in TensorBoard -------------------------------
 
-def test_hf_values_reach_log_history_and_tensorboard(tmp_path):
+def test_hf_values_reach_log_history_and_tensorboard_when_attached(tmp_path):
     pytest.importorskip("transformers", reason="transformers is not installed: pip install transformers")
     pytest.importorskip("tensorboard", reason="tensorboard is not installed: pip install tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from lowprec_demo.monitor.integrations import hf_callback
     callback = hf_callback(formats=("bf16", "e8m5"))
-    trainer = gpt2_trainer(tmp_path, callback, report_to=["tensorboard"])
+    trainer = gpt2_trainer(tmp_path, None, report_to=["tensorboard"])
+    assert callback.attach(trainer) is callback
     trainer.train()
-    logged = [h for h in trainer.state.log_history if "loss" in h]
-    assert [h["step"] for h in logged] == [2, 4]
+    logged = [h for h in trainer.state.log_history if "frozen_bf16" in h]   # a log of their own, once per step
+    assert [h["step"] for h in logged] == [2, 4] == [h["step"] for h in trainer.state.log_history if "loss" in h]
     for h in logged:
         assert 0.0 <= h["frozen_bf16"] <= 1.0 and "frozen_e8m5" in h
     assert logged[-1]["frozen_bf16"] == callback.watch.record("bf16").overall[-1]
@@ -275,6 +277,23 @@ def test_hf_values_reach_log_history_and_tensorboard(tmp_path):
         acc.Reload()
         tags |= set(acc.Tags()["scalars"])
     assert "train/frozen_bf16" in tags and "train/frozen_e8m5" in tags, tags
+
+
+def test_hf_values_go_into_the_logs_of_the_callbacks_after_it(tmp_path):
+    """Given in ``callbacks=[...]``, the callback adds its values to the ``logs`` of ``on_log``, which the callbacks
+    after it see (the printer, one added later); the Trainer's history, recorded before the callbacks, has none."""
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed: pip install transformers")
+    from lowprec_demo.monitor.integrations import hf_callback
+    seen = []
+
+    class After(transformers.TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            seen.append(dict(logs))
+    trainer = gpt2_trainer(tmp_path, hf_callback(formats=("bf16",)))
+    trainer.add_callback(After())
+    trainer.train()
+    assert [log["frozen_bf16"] >= 0.0 for log in seen if "loss" in log] == [True, True]
+    assert not any("frozen_bf16" in h for h in trainer.state.log_history)
 
 
 # ---- compiling up front -----------------------------------------------------------------------

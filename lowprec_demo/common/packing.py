@@ -1,8 +1,8 @@
 """A model's many small tensors (biases, layer-norm gains) laid end to end in one flat buffer, so that one kernel call
 (whose fixed cost exceeds the work of each) serves them all: :func:`group` splits the tensors into runs, every large
-tensor alone, and each run becomes a :class:`Pack`. :class:`~lowprec_demo.optim.LowPrecisionOptimizer` keeps its packs
-in a :class:`PackCache`, the tensors living in their buffers (:meth:`Pack.flat` with ``adopt``);
-:class:`~lowprec_demo.freeze.prediction.StepTracker` keeps a snapshot buffer per pack.
+tensor alone, and each run becomes a :class:`Pack`. :class:`~lowprec_demo.optim.LowPrecisionOptimizer` draws one
+stochastic-rounding seed per run (:func:`runs`) and, asked to (``pack=True``), rounds each run in one call in a
+:class:`PackCache`'s buffer, where the tensors then live (:meth:`Pack.flat` with ``adopt``).
 
 Example:
     >>> import torch
@@ -20,7 +20,7 @@ from typing import Callable, List, MutableMapping, Optional, Sequence
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["Pack", "PackCache", "packs", "group", "copy_into", "SMALL_NUMEL", "PACK_NUMEL", "PACK_TENSORS"]
+__all__ = ["Pack", "PackCache", "packs", "group", "runs", "copy_into", "SMALL_NUMEL", "PACK_NUMEL", "PACK_TENSORS"]
 
 SMALL_NUMEL = 1 << 16      # tensors below this size are packed together, one kernel call each pack
 PACK_NUMEL = 1 << 20       # the most elements in one pack
@@ -55,11 +55,17 @@ def group(tensors: Sequence[torch.Tensor]) -> List[List[int]]:
     return groups
 
 
+def runs(tensors: Sequence[torch.Tensor], packable: Callable[[torch.Tensor], bool]) -> List[list]:
+    """The tensors rounded together: each one not ``packable`` alone, then the runs of :func:`group` of the others."""
+    fast = [t for t in tensors if packable(t)]
+    return [[t] for t in tensors if not packable(t)] + [[fast[i] for i in run] for run in group(fast)]
+
+
 class Pack:
     """A run of tensors (``indices`` in the list grouped) laid out one after another in flat buffers
     of ``numel`` elements: tensor i takes ``spans[i]``, ``sizes[i]`` its own and ``pads[i]`` zeros.
-    In a pack of ``several`` each starts at a multiple of ``block`` elements, so that kernels
-    counting per block count per tensor (:meth:`per_tensor`); one tensor alone has no gaps."""
+    In a pack of ``several`` each starts at a multiple of ``block`` elements (:meth:`tensor_ids`
+    names each element's tensor); one tensor alone has no gaps."""
 
     def __init__(self, indices: Sequence[int], tensors: Sequence[torch.Tensor], block: int = 1) -> None:
         self.indices, self.shapes, self.sizes = list(indices), [t.shape for t in tensors], [t.numel() for t in tensors]
@@ -69,7 +75,7 @@ class Pack:
         self.numel = sum(self.spans)
         self.dtype, self.device = tensors[0].dtype, tensors[0].device
         self._flat_views: List[torch.Tensor] = []
-        self._flat = self._ids = self._block_tensor = None   # made when first needed
+        self._flat = self._ids = None   # made when first needed
         self._homes: Optional[tuple] = None   # where adopted tensors live: their views' data pointers
 
     def zeros(self) -> torch.Tensor:
@@ -119,14 +125,6 @@ class Pack:
                 ids[:n] = i
         return self._ids
 
-    def per_tensor(self, blocks: torch.Tensor) -> torch.Tensor:
-        """Per-tensor sums of per-block counts (a pack of several), as float64 (exact below 2**53)."""
-        if self._block_tensor is None:
-            self._block_tensor = torch.repeat_interleave(
-                torch.arange(len(self.sizes), device=self.device),
-                torch.tensor(self.spans, device=self.device) // self.block)
-        return torch.bincount(self._block_tensor, weights=blocks, minlength=len(self.sizes))
-
     def held_bytes(self, tensors: Optional[Sequence[torch.Tensor]] = None) -> int:
         """The memory this pack keeps: its buffer (unless ``tensors`` live in it) and tensor indices."""
         home = tensors is not None and self.several and self.at_home(tensors)
@@ -155,42 +153,26 @@ def packs(tensors: Sequence[torch.Tensor], block: int = 1) -> List[Pack]:
 
 
 class PackCache:
-    """The packs an owner keeps: ``plans`` (:meth:`plan`, by the ids of the tensors they hold),
-    ``pair`` (:meth:`pair_of`) and ``adopted`` (weak: tensor -> the data pointer of its place in a
-    pack), which :meth:`Pack.flat` takes. A new plan or pair drops the kept packs of its tensors."""
+    """The packs an owner keeps: ``plans`` (:meth:`plan`, by the ids of the tensors they hold) and
+    ``adopted`` (weak: tensor -> the data pointer of its place in a pack), which :meth:`Pack.flat`
+    takes. A new plan drops the kept plans that share a tensor with it."""
 
     def __init__(self) -> None:
         self.plans: dict = {}
-        self.pair: Optional[tuple] = None
         self.adopted = WeakIdKeyDictionary()
 
     def plan(self, tensors: Sequence[torch.Tensor], packable: Callable[[torch.Tensor], bool]) -> list:
-        """``(members, pack)``: each tensor not ``packable`` alone (no pack), then the packs of the others."""
+        """``(members, pack)`` for each of :func:`runs`: a tensor not ``packable`` alone (no pack), then the packs."""
         key = tuple(map(id, tensors))
         if key not in self.plans:
-            fast = [t for t in tensors if packable(t)]
-            plan = [([t], None) for t in tensors if not packable(t)]
-            self._drop(key)
+            for old in [k for k in self.plans if not set(key).isdisjoint(k)]:
+                del self.plans[old]
             if len(self.plans) >= 8:
                 self.plans.clear()
-            self.plans[key] = plan + [([fast[i] for i in pack.indices], pack) for pack in packs(fast)]
+            self.plans[key] = [(members, Pack(range(len(members)), members) if packable(members[0]) else None)
+                               for members in runs(tensors, packable)]
         return self.plans[key]
 
-    def pair_of(self, first: Sequence[torch.Tensor], second: Sequence[torch.Tensor]) -> tuple:
-        """Two packs laid out alike, of ``first`` and ``second``, kept while ``first`` is the same."""
-        key = tuple(map(id, first))
-        if self.pair is None or self.pair[0] != key:
-            self._drop(key)
-            self.pair = (key, Pack(range(len(first)), first), Pack(range(len(second)), second))
-        return self.pair[1:]
-
-    def _drop(self, key: tuple) -> None:
-        for old in [k for k in self.plans if not set(key).isdisjoint(k)]:
-            del self.plans[old]
-        if self.pair is not None and not set(key).isdisjoint(self.pair[0]):
-            self.pair = None
-
-    def held_bytes(self, first: Sequence[torch.Tensor] = (), second: Sequence[torch.Tensor] = ()) -> int:
-        """The memory of the kept packs; ``first`` and ``second``: the pair's tensors."""
-        pair = 0 if self.pair is None else self.pair[1].held_bytes(list(first)) + self.pair[2].held_bytes(list(second))
-        return sum(pack.held_bytes(members) for plan in self.plans.values() for members, pack in plan if pack) + pair
+    def held_bytes(self) -> int:
+        """The memory of the kept packs (none for a pack whose tensors live in it)."""
+        return sum(pack.held_bytes(members) for plan in self.plans.values() for members, pack in plan if pack)

@@ -2,9 +2,9 @@
 
 Under ``fully_shard`` a parameter is a ``DTensor`` whose process holds a block of rows (``Shard(0)``: ``torch.chunk`` of
 dim 0), a stretch of the flat tensor from :func:`flat_offset`. :class:`~lowprec_demo.optim.LowPrecisionOptimizer` rounds
-each piece where it lies (:func:`store_pieces`), stochastic rounding drawing each element's bits by its index in the
-whole tensor (or pack): one process and N processes store the same bits. The freeze watch's sample finds its elements
-alike. Allowed placements: ``Shard(0)`` (once) and ``Replicate()`` (HSDP).
+each piece where it lies, stochastic rounding drawing each element's bits by its index in the whole tensor (or run of
+tensors): one process and N processes store the same bits. The freeze watch's sample finds its elements alike.
+Allowed placements: ``Shard(0)`` (once) and ``Replicate()`` (HSDP).
 
 Example:
     >>> import torch
@@ -15,14 +15,12 @@ Example:
 from __future__ import annotations
 
 import functools
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 
-from lowprec_demo.rounding import draw_seed, quantize_
-
 __all__ = ["is_sharded", "any_sharded", "local_part", "check_placements", "flat_offset", "row_range", "counts_here",
-           "store_pieces", "ALLOWED_PLACEMENTS"]
+           "ALLOWED_PLACEMENTS"]
 
 ALLOWED_PLACEMENTS = ("Shard(0)", "Replicate()")
 
@@ -108,16 +106,3 @@ def counts_here(t: torch.Tensor) -> bool:
     replicated, coordinate = _layout(t)[1], t.device_mesh.get_coordinate()
     return all(coordinate[i] == 0 for i in replicated)
 
-
-@torch.no_grad()
-def store_pieces(plan: list, fmt, rounding: str, generator, rand_bits: Optional[int], policy: str) -> None:
-    """Round the pieces of ``plan``'s tensors (:meth:`~lowprec_demo.optim.packing.PackCache.plan`)
-    where they lie, drawing the seeds one process would: one per tensor outside a pack, one per pack."""
-    for members, pack in plan:   # a pack lays its tensors end to end, no gaps: each at the sum of those before
-        for tensors in ([[t] for t in members] if pack is None else [members]):
-            seed, start = draw_seed(generator) if rounding == "stochastic" else None, 0
-            for t in tensors:
-                if local_part(t).numel():
-                    quantize_(local_part(t), fmt, rounding, generator=seed, rand_bits=rand_bits, overflow=policy,
-                              index_offset=start + flat_offset(t))
-                start += t.numel()

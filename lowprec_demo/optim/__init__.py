@@ -18,8 +18,8 @@ Parameters really stored in torch.bfloat16 or torch.float16 take their step in f
 during the step only (:mod:`~lowprec_demo.optim.storage`); their optimizer state stays in their dtype.
 
 A :class:`FreezePlan` gives each tensor its own remedy, ``state_format`` keeps the optimizer state (Adam's moments) on
-a grid too, and :func:`bytes_per_parameter` counts what a setting stores. ``options`` checks the arguments,
-``packing`` packs small tensors into one buffer, ``sharding`` rounds FSDP2 shards as whole tensors.
+a grid too, and :func:`bytes_per_parameter` counts what a setting stores; ``options`` checks the arguments.
+Packing small tensors into one buffer (``pack=True``) and FSDP2's shards are :mod:`lowprec_demo.common`'s.
 
 Example:
     >>> import torch

@@ -7,14 +7,15 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from lowprec_demo.formats import FloatFormat, check_overflow_policy, format_of_dtype, get_format
-from lowprec_demo.optim import sharding, storage
-from lowprec_demo.optim.options import (COMPENSATIONS, PARAM_SELECTIONS, ParamSelection, check_options,
+from lowprec_demo.common.packing import PackCache, group, runs
+from lowprec_demo.common.sharding import any_sharded, flat_offset, local_part
+from lowprec_demo.formats import FloatFormat, check_overflow_policy, get_format
+from lowprec_demo.optim import storage
+from lowprec_demo.optim.options import (COMPENSATIONS, PARAM_SELECTIONS, ParamSelection, check_options, check_param,
                                          make_generator, select_params)
-from lowprec_demo.optim.packing import PackCache, group
 from lowprec_demo.optim.plan import PLAN_REMEDIES, FreezePlan, resolve_plan
 from lowprec_demo.rounding.round_to_grid import MAX_NUMEL
-from lowprec_demo.rounding import ROUNDING_MODES, GeneratorLike, quantize, quantize_
+from lowprec_demo.rounding import ROUNDING_MODES, GeneratorLike, draw_seed, quantize_
 
 __all__ = ["LowPrecisionOptimizer", "select_params", "bytes_per_parameter", "PARAM_SELECTIONS", "COMPENSATIONS"]
 
@@ -47,8 +48,8 @@ def bytes_per_parameter(optimizer: torch.optim.Optimizer) -> dict:
         if remedy == "kahan":
             totals["compensation"] += n * (wrapper.compensation_format.bits / 8 if wrapper.compensation_format
                                            else wrapper.buffer_dtype(p).itemsize)
-        for value in _elementwise_state(inner, p):
-            totals["state"] += n * width(wrapper.state_format if remedy else None, value)
+        state_format = wrapper.state_format if remedy else None
+        totals["state"] += n * sum(width(state_format, v) for v in _elementwise_state(inner, p))
     out = {k: v / max(count, 1) for k, v in totals.items()}
     out["total"] = sum(out.values())
     out["held"] = (held + (wrapper.held_bytes() if wrapper is not None else 0)) / max(count, 1)
@@ -57,17 +58,11 @@ def bytes_per_parameter(optimizer: torch.optim.Optimizer) -> dict:
 
 def _elementwise_state(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> list:
     """The optimizer's per-element state tensors of ``p`` (Adam's moments, momentum)."""
-    return [v for v in optimizer.state.get(p, {}).values()
-            if torch.is_tensor(v) and v.is_floating_point() and v.shape == p.shape]
-
-
-def _flat32(t: torch.Tensor, device: torch.device) -> bool:
-    """Whether ``t`` is contiguous float32 on ``device`` (Kahan's two packs take it)."""
-    return t.dtype == torch.float32 and t.is_contiguous() and t.device == device
+    return [optimizer.state[p][k] for k in storage.elementwise_keys(optimizer.state.get(p, {}), p)]
 
 
 def _packable(t: torch.Tensor) -> bool:
-    """Whether the fused kernels round ``t`` in place (in a pack)."""
+    """Whether the fused kernels round ``t`` in place (in a run of small tensors, in a pack)."""
     return t.dtype == torch.float32 and t.is_contiguous() and t.numel() <= MAX_NUMEL
 
 
@@ -85,19 +80,21 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
     ``params`` at their defaults), found by name in ``model`` or, without it, by its recorded position and shape.
 
     ``param_groups``, ``defaults`` and ``state`` are the inner optimizer's (the same objects), so LR schedulers and
-    ``zero_grad`` act on it; the hooks registered on this optimizer run around its :meth:`step`, :meth:`state_dict`
-    and :meth:`load_state_dict`. :meth:`state_dict` holds its own state too (Kahan buffers, master copies, the
-    generator's): a wrapper loaded from it takes the same steps. The small parameters rounded together, and Kahan's
-    weights and buffers, move into one flat buffer per group (:mod:`lowprec_demo.optim.packing`): a step rounds them
-    in one call, and a tensor taken from ``p.data`` before wrapping no longer shares memory with ``p``. FSDP2's
-    sharded parameters store the bits one process would (:mod:`lowprec_demo.optim.sharding`)."""
+    ``zero_grad`` act on it; hooks registered on this optimizer run around its :meth:`step`, :meth:`state_dict` and
+    :meth:`load_state_dict`, those on the inner one once per step. A closure given to :meth:`step` is evaluated first,
+    on the stored weights. :meth:`state_dict` holds the wrapper's own state too (Kahan buffers, master copies, the
+    generator's): a wrapper loaded from it takes the same steps. Each parameter keeps its own storage unless
+    ``pack=True``: then the small float32 ones rounded together live in one flat buffer per run, rounded in one call,
+    to the same bits (:mod:`lowprec_demo.common.packing`). FSDP2's sharded parameters store the bits one process
+    would (:mod:`lowprec_demo.common.sharding`)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, fmt: Union[str, FloatFormat], rounding: str = "nearest",
                  generator: GeneratorLike = None, rand_bits: Optional[int] = None, params: ParamSelection = "all",
                  state_format: Union[str, FloatFormat, None] = None, state_rounding: str = "nearest",
                  compensation: Optional[str] = None, overflow: Optional[str] = None, round_initial: bool = True,
                  compensation_format: Union[str, FloatFormat, None] = None, master_weights: bool = False,
-                 plan: Optional[FreezePlan] = None, model: Optional[torch.nn.Module] = None) -> None:
+                 plan: Optional[FreezePlan] = None, model: Optional[torch.nn.Module] = None,
+                 pack: bool = False) -> None:
         check_options(optimizer, fmt, rounding, state_rounding, compensation, compensation_format, master_weights,
                        params, plan, model)
         self.fmt = get_format(fmt)
@@ -112,45 +109,28 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         # torch's Optimizer sets up the hooks; add_param_group leaves the inner optimizer's groups as they are
         super().__init__(optimizer.param_groups, optimizer.defaults)
         self.param_groups, self.state = optimizer.param_groups, optimizer.state   # shared, not copied
+        self.register_state_dict_post_hook(LowPrecisionOptimizer._with_lowprec, prepend=True)
         buffer_format = plan.kahan_format if plan is not None else compensation_format
         self.compensation_format = None if buffer_format is None else get_format(buffer_format)
         all_params = [p for group in optimizer.param_groups for p in group["params"]]
         by_id = None if plan is None else resolve_plan(plan, all_params, model)
         self.lowprec_params = select_params(all_params, params if by_id is None else lambda p: id(p) in by_id)
         self._remedy = {p: self._single if by_id is None else by_id[id(p)] for p in self.lowprec_params}
-        # in state_dict: the Kahan buffers (made at the first step), the master copies and the remainders
-        self._compensation_buffers, self._masters, self._remainders = {}, {}, {}
+        self._compensation_buffers, self._masters, self._remainders = {}, {}, {}   # (in state_dict; Kahan's at a step)
         self._check_and_copy(self.lowprec_params)
         if self.params_with("feedback"):
             storage.check_feedback(optimizer)
-        self.packs = PackCache()    # the packs of small tensors and of Kahan's weights and buffers
+        self.pack, self.packs = pack, PackCache()    # with pack=True: the buffers the small tensors live in
         self._opened: dict = {}     # during a step: the parameters stored in bf16/fp16, with float32 working copies
         self._stored = [p for p in self.lowprec_params if storage.is_stored(p)]
         if round_initial:
             self.round_params()
 
-    def _group_by_remedy(self) -> dict:
-        return {r: [p for p in self.lowprec_params if self._remedy[p] == r] for r in PLAN_REMEDIES}
-
     def _check_and_copy(self, params: list) -> None:
         """Check new low-precision parameters' dtypes; take their master copies (before any rounding), remainders."""
         for p in params:
-            if p.dtype not in (torch.float32, torch.float64, *storage.STORED_DTYPES):
-                raise TypeError(f"a LowPrecisionOptimizer keeps parameters in float32 or float64 (a format simulated "
-                                f"on them) or really stored in torch.bfloat16 or torch.float16; got {p.dtype}")
-            if storage.is_stored(p) and format_of_dtype(p.dtype) != self.fmt.name:
-                raise ValueError(f"a parameter of shape {tuple(p.shape)} is stored in {p.dtype}, whose grid is "
-                                 f"{format_of_dtype(p.dtype)}; this optimizer's format is {self.fmt.name}: give "
-                                 f"fmt={format_of_dtype(p.dtype)!r}, or keep the parameters in float32 to simulate "
-                                 f"{self.fmt.name}")
-            if storage.is_stored(p) and sharding.is_sharded(p):
-                raise ValueError("FSDP2 parameters are rounded in float32 or float64 (a simulated format); these are "
-                                 f"stored in {p.dtype}: shard a float32 model")
-            if self._remedy[p] == "remainder" and (self.fmt.name != "bf16" or p.dtype == torch.float64):
-                raise ValueError(f"the remainder remedy keeps a float32 master as bf16 plus 16 bits: it needs the "
-                                 f"bf16 format on float32 or bfloat16 parameters; got {self.fmt.name} on {p.dtype}")
-            sharding.check_placements(p)    # FSDP2's Shard(0) (and Replicate) only
-        self._by_remedy = self._group_by_remedy()
+            check_param(p, self.fmt, self._remedy[p])
+        self._by_remedy = {r: [p for p in self.lowprec_params if self._remedy[p] == r] for r in PLAN_REMEDIES}
         self._masters.update({p: p.detach().to(torch.float64 if p.dtype == torch.float64 else torch.float32, copy=True)
                               for p in params if self._remedy[p] == "master"})
         for p in (p for p in params if self._remedy[p] == "remainder"):   # stored as the split now (exact, bf16)
@@ -174,24 +154,28 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         """The low-precision parameters stored with ``remedy``, in the optimizer's order."""
         return self._by_remedy[remedy]
 
-    def _store(self, tensors: list, fmt: FloatFormat, rounding: str, working: Optional[bool] = None) -> None:
-        """``t.copy_(quantize(t, ...))`` per tensor, in fewer memory passes: the small contiguous float32 ones rounded
-        in their pack's buffer, where they then live (one call, and for SR one seed, per pack); the rest one by one."""
+    def _store(self, tensors: list, fmt: FloatFormat, rounding: str, working: bool = False) -> None:
+        """``t.copy_(quantize(t, ...))`` per tensor, one SR seed per run of :func:`~lowprec_demo.common.packing.runs`,
+        each element drawing by its index in its run (an FSDP2 piece by its place in the whole tensor); with
+        ``pack=True`` a run of small float32 tensors (not working copies) rounded in one call in their pack's buffer."""
         policy = self.overflow if fmt is self.fmt else fmt.overflow
-        if working is None:     # float32 working copies (of bf16/fp16 storage) are not adopted into packs
-            working = any(t in self._opened for t in tensors)
-        # (working copies: packs made for this call only, so that no cache keeps them)
-        plan = (PackCache() if working else self.packs).plan(tensors, _packable)
-        if sharding.any_sharded(tensors):   # FSDP2: each process rounds its pieces, with the whole tensors' bits
-            sharding.store_pieces(plan, fmt, rounding, self.generator, self.rand_bits, policy)
-            return
-        kw = dict(generator=self.generator, rand_bits=self.rand_bits, overflow=policy)
+        if self.pack and not working and not any_sharded(tensors):
+            plan = self.packs.plan(tensors, _packable)
+        else:
+            plan = [(members, None) for members in runs(tensors, _packable)]
         for members, pack in plan:
-            if pack is None:    # one tensor
-                members[0].copy_(quantize(members[0], fmt, rounding, **kw))
-            else:
-                quantize_(pack.flat(members, adopt=None if working else self.packs.adopted), fmt, rounding, **kw)
-                pack.put_back(members)
+            seed = draw_seed(self.generator) if rounding == "stochastic" else None
+            if pack is not None:
+                quantize_(pack.flat(members, self.packs.adopted), fmt, rounding, generator=seed,
+                          rand_bits=self.rand_bits, overflow=policy)
+                pack.put_back(members)      # (nothing to do while they live in the pack)
+                continue
+            start = 0
+            for t in members:
+                if local_part(t).numel():
+                    quantize_(local_part(t), fmt, rounding, generator=seed, rand_bits=self.rand_bits, overflow=policy,
+                              index_offset=start + flat_offset(t))
+                start += t.numel()
 
     @torch.no_grad()
     def round_params(self, rounding: str = "nearest") -> None:
@@ -202,143 +186,88 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         self._store([p for p in self.lowprec_params if not storage.is_stored(p)], self.fmt, rounding)
 
     def held_bytes(self) -> int:
-        """The memory kept from step to step beyond the parameters and the inner optimizer's state:
-        the packs' buffers (none while the tensors live in them), Kahan buffers, master copies."""
-        local, kahan = sharding.local_part, self.params_with("kahan")
-        held = self.packs.held_bytes([local(p) for p in kahan], [local(self._compensation_buffers[p]) for p in kahan
-                                                                 if p in self._compensation_buffers])
+        """The memory kept from step to step beyond the parameters and the inner optimizer's state: Kahan buffers,
+        master copies, remainders, and with ``pack=True`` the packs' buffers (none while the tensors live in them)."""
         buffers = [*self._compensation_buffers.values(), *self._masters.values(), *self._remainders.values()]
-        return held + sum(local(b).numel() * b.element_size() for b in buffers)
+        return self.packs.held_bytes() + sum(local_part(b).numel() * b.element_size() for b in buffers)
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None):
-        """The parameters stored in bf16/fp16 stepped (:meth:`step_stored`), then the inner optimizer's step over the
-        others between :meth:`before_inner_step` and :meth:`after_inner_step`."""
-        loss = None
-        if self._stored and closure is not None:
-            with torch.enable_grad():
-                loss, closure = closure(), None     # (one evaluation, before any weight moves)
-        hidden = self.step_stored()
+        """``closure`` if given (the loss, the gradients of the stored weights), then the inner optimizer's step between
+        :meth:`before_inner_step` and :meth:`after_inner_step`; a failed step leaves bf16/fp16 storage as it was."""
+        with torch.enable_grad():
+            loss = None if closure is None else closure()
+        self.before_inner_step()
         try:
-            self.before_inner_step()
-            out = self.optimizer.step(closure)
-            self.after_inner_step()
-        finally:
-            self.show_grads(hidden)
-        return out if loss is None else loss
+            self.optimizer.step()
+        except BaseException:
+            self._close(keep=False)
+            raise
+        self.after_inner_step()
+        return loss
 
-    def step_stored(self) -> dict:
-        """Step the parameters really stored in bf16/fp16 (none: nothing to do), a pack at a time (a large tensor
-        alone, small ones together, :func:`~lowprec_demo.optim.packing.group`): float32 working copies of a pack's
-        weights, gradients and state, the inner optimizer's step over them alone (without its step hooks), the remedy,
-        back into storage. Their gradients are then hidden from the inner optimizer's own step (which skips a
-        parameter without one): returns them for :meth:`show_grads`."""
-        if not self._stored:
-            return {}
-        inner, groups = self.optimizer, self.optimizer.param_groups
-        raw = type(inner).step
-        raw = raw.__wrapped__ if getattr(raw, "hooked", False) else raw     # torch's wrapper runs the hooks
-        try:
-            for run in group(self._stored):
-                chunk = {self._stored[i] for i in run}
-                inner.param_groups = [{**g, "params": [p for p in g["params"] if p in chunk]} for g in groups]
-                self._opened = storage.open_step([self._stored[i] for i in run], inner.state)
-                try:
-                    self.before_inner_step(chunk)
-                    raw(inner)
-                    self.after_inner_step(chunk)
-                finally:
-                    self._close(keep=False)     # (after_inner_step closed it, unless the step failed)
-        finally:
-            inner.param_groups = self.param_groups = groups
-        hidden = {p: p.grad for p in self._stored}
-        for p in self._stored:
-            p.grad = None
-        return hidden
-
-    @staticmethod
-    def show_grads(hidden: dict) -> None:
-        """Give back the gradients :meth:`step_stored` hid."""
-        for p, grad in hidden.items():
-            p.grad = grad
-
-    def before_inner_step(self, only: Optional[set] = None) -> None:
-        """The master copies and the remainders' masters into the parameters (those in ``only``; None: those not
-        stored in bf16/fp16); called without grad by :meth:`step`, or around the steps of an optimizer the loop steps
-        itself (:func:`~lowprec_demo.monitor.attach_plan`)."""
-        masters = self._with("master", only)
-        if masters:   # the step starts from the master copy (gradients are the rounded weights')
-            local = sharding.local_part    # (a sharded parameter's own piece; a plain tensor itself)
-            torch._foreach_copy_([local(p) for p in masters], [local(self._masters[p]) for p in masters])
-        for p in self._with("remainder", only):
+    def before_inner_step(self) -> None:
+        """The parameters stored in bf16/fp16 opened (float32 working copies: :func:`~.storage.open_step`), the master
+        copies and the remainders' masters put into the parameters; called without grad by :meth:`step`, or before
+        the step of an optimizer the loop steps itself (:func:`~lowprec_demo.monitor.attach_plan`)."""
+        self._opened = storage.open_step(self._stored, self.optimizer.state)
+        if masters := self.params_with("master"):    # the step starts from the master copy
+            torch._foreach_copy_([local_part(p) for p in masters], [local_part(self._masters[p]) for p in masters])
+        for p in self.params_with("remainder"):
             p.copy_(storage.join_remainder(p, self._remainders[p]))
 
-    def _with(self, remedy: str, only: Optional[set]) -> list:
-        """The parameters stored with ``remedy`` in ``only`` (None: those simulated, not stored in bf16/fp16)."""
-        if only is None:
-            return [p for p in self.params_with(remedy) if not storage.is_stored(p)] if self._stored \
-                else self.params_with(remedy)
-        return [p for p in self.params_with(remedy) if p in only]
+    def after_inner_step(self) -> None:
+        """Every low-precision parameter stored with its remedy, then its elementwise state on the state's grid: those
+        stored in bf16/fp16 first, a run of :func:`~lowprec_demo.common.packing.group` at a time (a large tensor
+        alone, small ones together; their working copies then put back into storage), then the others."""
+        stored = self._stored
+        for run in group(stored):
+            self._finish({stored[i] for i in run}, working=True)
+        self._finish(set(self.lowprec_params).difference(stored), working=False)
+        self._close()
 
     def _close(self, keep: bool = True) -> None:
         opened, self._opened = self._opened, {}
         storage.close_step(opened, self.optimizer.state, self.state_dtype, keep)
 
-    def after_inner_step(self, only: Optional[set] = None) -> None:
-        """Every low-precision parameter (in ``only``, as in :meth:`before_inner_step`) stored with its remedy, then
-        the state on its grid; working copies of bf16/fp16 storage put back."""
-        local, working = sharding.local_part, bool(self._opened)
-        masters, kahan = self._with("master", only), self._with("kahan", only)
+    def _finish(self, only: set, working: bool) -> None:
+        """The parameters in ``only`` stored with their remedies, then their state (``working``: float32 copies)."""
+        with_ = lambda remedy: [p for p in self.params_with(remedy) if p in only]     # noqa: E731
+        masters, kahan = with_("master"), with_("kahan")
         if masters:
-            torch._foreach_copy_([local(self._masters[p]) for p in masters], [local(p) for p in masters])
-            self._store(masters, self.fmt, "nearest")
-        for p in self._with("remainder", only):
+            torch._foreach_copy_([local_part(self._masters[p]) for p in masters], [local_part(p) for p in masters])
+            self._store(masters, self.fmt, "nearest", working)
+        for p in with_("remainder"):
             p.copy_(storage.split_remainder(p, out=self._remainders[p])[0])
         if kahan:
             self.prepare_buffers()
-            if not working:
-                self._kahan([local(p) for p in kahan], [local(self._compensation_buffers[p]) for p in kahan],
-                            adopt=not sharding.any_sharded(kahan))   # (FSDP2 keeps its pieces in storage of its own)
-            else:    # float32 working buffers, no packs (they would hold float32 copies between steps)
-                work = [self._compensation_buffers[p].float() for p in kahan]
-                self._kahan(kahan, work, pack=False)
-                torch._foreach_copy_([self._compensation_buffers[p] for p in kahan], work)
-        if feedback := self._with("feedback", only):
+            buffers = [local_part(self._compensation_buffers[p]) for p in kahan]
+            work = [b.float() for b in buffers] if working else buffers    # (a bf16 buffer of bf16 storage)
+            self._kahan([local_part(p) for p in kahan], work)
+            if working:
+                torch._foreach_copy_(buffers, work)
+        if feedback := with_("feedback"):
             intended = [p.detach().clone() for p in feedback]
-            self._store(feedback, self.fmt, self.rounding)
+            self._store(feedback, self.fmt, self.rounding, working)
             storage.feed_back(self.optimizer, feedback, torch._foreach_sub(intended, feedback))
         for rounding in ROUNDING_MODES:
-            if members := self._with(rounding, only):
-                self._store(members, self.fmt, rounding)
-        params = [p for p in self.lowprec_params if (p in only if only is not None else not storage.is_stored(p))]
+            if members := with_(rounding):
+                self._store(members, self.fmt, rounding, working)
         state_format = self.state_format or (self.fmt if working else None)   # stored: as torch keeps it, on the grid
         if state_format is not None:
-            self._store([v for p in params for v in _elementwise_state(self.optimizer, p)], state_format,
-                        self.state_rounding, working=working)
-        self._close()
+            self._store([v for p in self.lowprec_params if p in only for v in _elementwise_state(self.optimizer, p)],
+                        state_format, self.state_rounding, working)
 
-    def _kahan(self, params: list, buffers: list, adopt: bool = True, pack: bool = True) -> None:
-        """Kahan compensation: ``p + buf`` rounded is stored, the residual (exact) kept in the buffer,
-        on its own grid if any: float32 tensors in two packs (where they live, with ``adopt``)."""
-        kept = self.packs.pair is not None and self.packs.pair[0] == tuple(map(id, params))
-        if not pack or not kept and not all(_flat32(t, params[0].device) for t in params + buffers):
-            targets = torch._foreach_add(params, buffers)     # what the weights should be, residual included
-            stored = [quantize(t, self.fmt, overflow=self.overflow) for t in targets]
-            residual = torch._foreach_sub(targets, stored)
-            if self.compensation_format is not None:   # a narrow buffer keeps the residual's leading bits
-                residual = [quantize(r, self.compensation_format) for r in residual]
-            torch._foreach_copy_(buffers, residual)
-            torch._foreach_copy_(params, stored)
-            return
-        (p_pack, b_pack), record = self.packs.pair_of(params, buffers), self.packs.adopted if adopt else None
-        p_flat, b_flat = p_pack.flat(params, record), b_pack.flat(buffers, record)
-        b_flat.add_(p_flat)                                        # the target p + buf
-        quantize_(p_flat.copy_(b_flat), self.fmt, overflow=self.overflow)   # stored
-        b_flat.sub_(p_flat)                                        # the residual, exact
-        if self.compensation_format is not None:
-            quantize_(b_flat, self.compensation_format)
-        p_pack.put_back(params)     # nothing to do while they live in the packs
-        b_pack.put_back(buffers)
+    def _kahan(self, params: list, buffers: list) -> None:
+        """Kahan compensation in place: each buffer takes ``p + buf`` (the target), ``p`` the target rounded (the
+        stored weight), the buffer the residual (exact), on its own grid if any."""
+        torch._foreach_add_(buffers, params)
+        torch._foreach_copy_(params, buffers)
+        for p in params:
+            quantize_(p, self.fmt, overflow=self.overflow)
+        torch._foreach_sub_(buffers, params)
+        for b in buffers if self.compensation_format is not None else ():
+            quantize_(b, self.compensation_format)
 
     def prepare_buffers(self) -> None:
         """Make the Kahan compensation buffers (zeros) that the first step would make."""
@@ -360,21 +289,21 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         if self.optimizer.state:
             return
         _, params, _ = self._param_index()
-        grads, lrs = [p.grad for p in params], [group.get("lr") for group in self.optimizer.param_groups]
+        grads, groups = [p.grad for p in params], [g for g in self.optimizer.param_groups if "lr" in g]
+        lrs = [g["lr"] for g in groups]
         try:
             for p in params:
                 p.grad = torch.zeros_like(p)
-            for group in (group for group in self.optimizer.param_groups if "lr" in group):
-                group["lr"] = torch.zeros_like(group["lr"]) if torch.is_tensor(group["lr"]) else 0.0
+            for g in groups:
+                g["lr"] = torch.zeros_like(g["lr"]) if torch.is_tensor(g["lr"]) else 0.0
             self._opened = storage.open_step(self._stored, self.optimizer.state)
             self.optimizer.step()   # the inner one: no rounding, no random bits
         finally:
             self._close()
-            for p, g in zip(params, grads):
-                p.grad = g
-            for group, lr in zip(self.optimizer.param_groups, lrs):
-                if lr is not None:
-                    group["lr"] = lr
+            for p, grad in zip(params, grads):
+                p.grad = grad
+            for g, lr in zip(groups, lrs):
+                g["lr"] = lr
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients (delegates to the inner optimizer)."""
@@ -403,10 +332,9 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         index = {id(p): i for i, p in enumerate(order)}
         return index, order, None if self.plan is None else {index[id(p)]: r for p, r in self._remedy.items()}
 
-    def state_dict(self) -> dict:
-        """The inner optimizer's plus ``"lowprec"``: the settings, buffers, copies and generator state."""
-        for hook in self._optimizer_state_dict_pre_hooks.values():
-            hook(self)
+    def _with_lowprec(self, _) -> dict:
+        """:meth:`state_dict`: the inner optimizer's plus ``"lowprec"``: the settings, buffers, copies and generator
+        state (the first of the state-dict post hooks, so that the hooks registered on this optimizer see it)."""
         state, (index, _, plan), gen = self.optimizer.state_dict(), self._param_index(), self.generator
         state["lowprec"] = {
             "format": {k: getattr(self.fmt, k) for k in ("exp_bits", "man_bits", "kind", "name")},
@@ -417,9 +345,6 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
             "master_weights": {index[id(p)]: b.clone() for p, b in self._masters.items()}, "plan": plan,
             "remainders": {index[id(p)]: b.clone() for p, b in self._remainders.items()},
             "generator_state": gen.get_state() if isinstance(gen, torch.Generator) else None}
-        for hook in self._optimizer_state_dict_post_hooks.values():
-            returned = hook(self, state)
-            state = state if returned is None else returned
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -452,19 +377,18 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         if theirs != mine:
             raise ValueError("the state dict was saved with a different freeze plan (or with none): build this "
                              "optimizer with the plan it was saved with")
-        like = lambda b, t: b.to(device=t.device, dtype=t.dtype).clone()   # noqa: E731
-        self._compensation_buffers = {order[int(i)]: like(b, torch.empty(0, dtype=self.buffer_dtype(order[int(i)]),
-                                                                         device=order[int(i)].device))
+        like = lambda b, t, dtype: b.to(device=t.device, dtype=dtype).clone()   # noqa: E731
+        self._compensation_buffers = {order[int(i)]: like(b, order[int(i)], self.buffer_dtype(order[int(i)]))
                                       for i, b in extra.get("compensation_buffers", {}).items()}
         for name, kept in (("master_weights", self._masters), ("remainders", self._remainders)):
-            kept.update({order[int(i)]: like(b, kept[order[int(i)]]) for i, b in extra.get(name, {}).items()
-                         if order[int(i)] in kept})
+            kept.update({order[int(i)]: like(b, kept[order[int(i)]], kept[order[int(i)]].dtype)
+                         for i, b in extra.get(name, {}).items() if order[int(i)] in kept})
         if extra.get("generator_state") is not None and isinstance(self.generator, torch.Generator):
             self.generator.set_state(extra["generator_state"])
 
     def __repr__(self) -> str:
         parts = [self.optimizer.__class__.__name__, f"fmt={self.fmt.name!r}", f"rounding={self.rounding!r}",
-                 f"params={len(self.lowprec_params)} tensors",
+                 f"params={len(self.lowprec_params)} tensors", self.pack and "pack=True",
                  self._stored and f"stored={len(self._stored)} tensors in {self._stored[0].dtype}",
                  self.state_format and f"state_format={self.state_format.name!r}",
                  self.compensation and f"compensation={self.compensation!r}",

@@ -1,6 +1,7 @@
 """The options of :class:`~lowprec_demo.optim.optimizer.LowPrecisionOptimizer`: which parameters
 it keeps in low precision (:func:`select_params`), which remedies go together
-(:func:`check_options`), and the generator stochastic rounding draws from (:func:`make_generator`).
+(:func:`check_options`) and which parameters each can keep (:func:`check_param`), and the generator
+stochastic rounding draws from (:func:`make_generator`).
 
 Example:
     >>> import torch
@@ -17,11 +18,13 @@ from typing import Callable, Iterable, Optional, Union
 
 import torch
 
-from lowprec_demo.formats import get_format
+from lowprec_demo.common.sharding import check_placements, is_sharded
+from lowprec_demo.formats import FloatFormat, format_of_dtype, get_format
+from lowprec_demo.optim import storage
 from lowprec_demo.optim.plan import FreezePlan
 from lowprec_demo.rounding import ROUNDING_MODES, GeneratorLike
 
-__all__ = ["select_params", "check_options", "make_generator", "PARAM_SELECTIONS", "COMPENSATIONS"]
+__all__ = ["select_params", "check_options", "check_param", "make_generator", "PARAM_SELECTIONS", "COMPENSATIONS"]
 
 PARAM_SELECTIONS = ("all", "matrices")
 COMPENSATIONS = (None, "kahan", "remainder", "feedback")
@@ -83,6 +86,24 @@ def check_options(optimizer, fmt, rounding, state_rounding, compensation, compen
     if master_weights and (rounding != "nearest" or compensation is not None):
         raise ValueError("master_weights=True keeps every update in a float32 copy: use it with "
                          "rounding='nearest' and no compensation")
+
+
+def check_param(p: torch.Tensor, fmt: FloatFormat, remedy: str) -> None:
+    """Refuse, naming what is allowed, a parameter the optimizer cannot keep in ``fmt`` with ``remedy``."""
+    if p.dtype not in (torch.float32, torch.float64, *storage.STORED_DTYPES):
+        raise TypeError(f"a LowPrecisionOptimizer keeps parameters in float32 or float64 (a format simulated "
+                        f"on them) or really stored in torch.bfloat16 or torch.float16; got {p.dtype}")
+    if storage.is_stored(p) and format_of_dtype(p.dtype) != fmt.name:
+        raise ValueError(f"a parameter of shape {tuple(p.shape)} is stored in {p.dtype}, whose grid is "
+                         f"{format_of_dtype(p.dtype)}; this optimizer's format is {fmt.name}: give "
+                         f"fmt={format_of_dtype(p.dtype)!r}, or keep the parameters in float32 to simulate {fmt.name}")
+    if storage.is_stored(p) and is_sharded(p):
+        raise ValueError("FSDP2 parameters are rounded in float32 or float64 (a simulated format); these are "
+                         f"stored in {p.dtype}: shard a float32 model")
+    if remedy == "remainder" and (fmt.name != "bf16" or p.dtype == torch.float64):
+        raise ValueError(f"the remainder remedy keeps a float32 master as bf16 plus 16 bits: it needs the "
+                         f"bf16 format on float32 or bfloat16 parameters; got {fmt.name} on {p.dtype}")
+    check_placements(p)    # FSDP2's Shard(0) (and Replicate) only
 
 
 def make_generator(generator: GeneratorLike) -> Optional[torch.Generator]:
