@@ -276,15 +276,19 @@ def octave_of(at: torch.Tensor, edges=RATIO_BINS) -> torch.Tensor:
 
 
 def split_pack(old, new, cut):
-    """A pack of two tensors, ``old[:cut]`` and ``old[cut:]``, and the two flat buffers of
-    ``old`` and ``new`` in its layout (each tensor starting at a block's start)."""
-    pack = packing.Pack([0, 1], [old[:cut], old[cut:]], block=freeze_rule.BLOCK)
+    """Two tensors, ``old[:cut]`` and ``old[cut:]``, laid end to end with each starting at a block's
+    start: each element's tensor index (the gaps one past the last) and the flat buffers of ``old``
+    and ``new`` in that layout."""
+    second = -(-cut // freeze_rule.BLOCK) * freeze_rule.BLOCK
+    end = second + len(old) - cut
+    ids = torch.full((-(-end // freeze_rule.BLOCK) * freeze_rule.BLOCK,), 2, dtype=torch.int32)
+    ids[:cut], ids[second:end] = 0, 1
     buffers = []
     for t in (old, new):
-        buffer = pack.zeros()
-        packing.copy_into(pack.views(buffer), [t[:cut], t[cut:]])
+        buffer = torch.zeros(len(ids), dtype=t.dtype)
+        buffer[:cut], buffer[second:end] = t[:cut], t[cut:]
         buffers.append(buffer)
-    return pack, buffers[0], buffers[1]
+    return ids, buffers[0], buffers[1]
 
 
 def freeze_cases(key):
@@ -452,9 +456,9 @@ def test_the_ratio_bins_are_those_of_their_edges(edges, mode):
         for k in (None, 3):
             # the predictor's (one tensor, a pack; no flag, no shift) and the watch's (a zero shift, the flag set)
             one = step_counts(old, new, fmt, every, 1, None, rand_bits=k)[0]
-            several = step_counts(old2, new2, fmt, two.tensor_ids(), 3, None, rand_bits=k)[0][:2]
+            several = step_counts(old2, new2, fmt, two, 3, None, rand_bits=k)[0][:2]
             eighths = step_counts(old, new, fmt, every, 1, zero, ones, rand_bits=k)[0]
-            eighths2 = step_counts(old2, new2, fmt, two.tensor_ids(), 3, zero, torch.ones_like(old2), rand_bits=k)[0][:2]
+            eighths2 = step_counts(old2, new2, fmt, two, 3, zero, torch.ones_like(old2), rand_bits=k)[0][:2]
             assert one.shape == eighths.shape == (1, BINS + 1, 2, 2)
             for counts, frozen_want in ((one, [frozen.sum().item()]), (eighths, [frozen.sum().item()]),
                                         (several, [frozen[:cut].sum().item(), frozen[cut:].sum().item()]),

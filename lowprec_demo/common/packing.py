@@ -1,15 +1,15 @@
 """A model's many small tensors (biases, layer-norm gains) laid end to end in one flat buffer, so that one kernel call
 (whose fixed cost exceeds the work of each) serves them all: :func:`group` splits the tensors into runs, every large
-tensor alone, and each run becomes a :class:`Pack`. :class:`~lowprec_demo.optim.LowPrecisionOptimizer` draws one
-stochastic-rounding seed per run (:func:`runs`) and, asked to (``pack=True``), rounds each run in one call in a
-:class:`PackCache`'s buffer, where the tensors then live (:meth:`Pack.flat` with ``adopt``).
+tensor alone. :class:`~lowprec_demo.optim.LowPrecisionOptimizer` draws one stochastic-rounding seed per run
+(:func:`runs`) and, asked to (``pack=True``), rounds each run in one call in a :class:`Pack`'s buffer, where the
+tensors then live (:meth:`Pack.flat` with ``adopt``; a :class:`PackCache` keeps the packs).
 
 Example:
     >>> import torch
     >>> a, b = torch.ones(3), torch.full((2, 2), 2.0)
-    >>> [p.indices for p in packs([a, b, torch.zeros(1 << 16)])]
+    >>> group([a, b, torch.zeros(1 << 16)])
     [[0, 1], [2]]
-    >>> packs([a, b])[0].flat([a, b]).tolist()
+    >>> Pack([a, b]).flat([a, b]).tolist()
     [1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 2.0]
 """
 
@@ -20,7 +20,7 @@ from typing import Callable, List, MutableMapping, Optional, Sequence
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["Pack", "PackCache", "packs", "group", "runs", "copy_into", "SMALL_NUMEL", "PACK_NUMEL", "PACK_TENSORS"]
+__all__ = ["Pack", "PackCache", "group", "runs", "copy_into", "SMALL_NUMEL", "PACK_NUMEL", "PACK_TENSORS"]
 
 SMALL_NUMEL = 1 << 16      # tensors below this size are packed together, one kernel call each pack
 PACK_NUMEL = 1 << 20       # the most elements in one pack
@@ -62,29 +62,15 @@ def runs(tensors: Sequence[torch.Tensor], packable: Callable[[torch.Tensor], boo
 
 
 class Pack:
-    """A run of tensors (``indices`` in the list grouped) laid out one after another in flat buffers
-    of ``numel`` elements: tensor i takes ``spans[i]``, ``sizes[i]`` its own and ``pads[i]`` zeros.
-    In a pack of ``several`` each starts at a multiple of ``block`` elements (:meth:`tensor_ids`
-    names each element's tensor); one tensor alone has no gaps."""
+    """A run of tensors laid end to end in one flat buffer (made when first needed), tensor i in ``sizes[i]``
+    elements of it."""
 
-    def __init__(self, indices: Sequence[int], tensors: Sequence[torch.Tensor], block: int = 1) -> None:
-        self.indices, self.shapes, self.sizes = list(indices), [t.shape for t in tensors], [t.numel() for t in tensors]
-        self.several, self.block = len(self.sizes) > 1, block
-        self.spans = [-(-n // block) * block for n in self.sizes] if self.several else list(self.sizes)
-        self.pads = [s - n for s, n in zip(self.spans, self.sizes)]
-        self.numel = sum(self.spans)
-        self.dtype, self.device = tensors[0].dtype, tensors[0].device
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        self.shapes, self.sizes = [t.shape for t in tensors], [t.numel() for t in tensors]
+        self.several, self.dtype, self.device = len(tensors) > 1, tensors[0].dtype, tensors[0].device
+        self._flat: Optional[torch.Tensor] = None
         self._flat_views: List[torch.Tensor] = []
-        self._flat = self._ids = None   # made when first needed
         self._homes: Optional[tuple] = None   # where adopted tensors live: their views' data pointers
-
-    def zeros(self) -> torch.Tensor:
-        """A new buffer of this pack's length, dtype and device, all zeros."""
-        return torch.zeros(self.numel, dtype=self.dtype, device=self.device)
-
-    def views(self, buffer: torch.Tensor) -> List[torch.Tensor]:
-        """The pieces of a buffer in this pack's layout, shaped like the tensors."""
-        return [v[:n].view(shape) for v, n, shape in zip(buffer.split(self.spans), self.sizes, self.shapes)]
 
     def flat(self, tensors: Sequence[torch.Tensor], adopt: Optional[MutableMapping] = None) -> torch.Tensor:
         """The tensors' values, flat, in this pack's layout: one tensor itself, flat, several copied
@@ -94,8 +80,8 @@ class Pack:
         if not self.several:
             return tensors[0].reshape(-1)
         if self._flat is None:
-            self._flat = self.zeros()
-            self._flat_views = self.views(self._flat)
+            self._flat = torch.zeros(sum(self.sizes), dtype=self.dtype, device=self.device)
+            self._flat_views = [v.view(shape) for v, shape in zip(self._flat.split(self.sizes), self.shapes)]
         if self.at_home(tensors):
             return self._flat
         copy_into(self._flat_views, list(tensors))
@@ -117,19 +103,10 @@ class Pack:
         if self.several and not self.at_home(tensors):
             copy_into(list(tensors), self._flat_views)
 
-    def tensor_ids(self) -> Optional[torch.Tensor]:
-        """For several tensors (else None): each element's tensor index (int32, kept), the gaps one past the last."""
-        if self.several and self._ids is None:
-            self._ids = torch.full((self.numel,), len(self.sizes), dtype=torch.int32, device=self.device)
-            for i, (ids, n) in enumerate(zip(self._ids.split(self.spans), self.sizes)):
-                ids[:n] = i
-        return self._ids
-
-    def held_bytes(self, tensors: Optional[Sequence[torch.Tensor]] = None) -> int:
-        """The memory this pack keeps: its buffer (unless ``tensors`` live in it) and tensor indices."""
-        home = tensors is not None and self.several and self.at_home(tensors)
-        own = (self._ids,) if home else (self._flat, self._ids)
-        return sum(t.numel() * t.element_size() for t in own if t is not None)
+    def held_bytes(self, tensors: Sequence[torch.Tensor]) -> int:
+        """The memory this pack keeps: its buffer, unless ``tensors`` live in it."""
+        home = self._flat is None or self.several and self.at_home(tensors)
+        return 0 if home else self._flat.numel() * self._flat.element_size()
 
 
 def _movable(tensors: Sequence[torch.Tensor], homes: Sequence[torch.Tensor], adopted: MutableMapping) -> bool:
@@ -145,11 +122,6 @@ def _movable(tensors: Sequence[torch.Tensor], homes: Sequence[torch.Tensor], ado
             return False
         pointers.add(storage.data_ptr())
     return True
-
-
-def packs(tensors: Sequence[torch.Tensor], block: int = 1) -> List[Pack]:
-    """The :class:`Pack` of every run of :func:`group`, in order."""
-    return [Pack(indices, [tensors[i] for i in indices], block) for indices in group(tensors)]
 
 
 class PackCache:
@@ -169,7 +141,7 @@ class PackCache:
                 del self.plans[old]
             if len(self.plans) >= 8:
                 self.plans.clear()
-            self.plans[key] = [(members, Pack(range(len(members)), members) if packable(members[0]) else None)
+            self.plans[key] = [(members, Pack(members) if packable(members[0]) else None)
                                for members in runs(tensors, packable)]
         return self.plans[key]
 
