@@ -173,7 +173,7 @@ def hf_callback(path=None, plan_after=None, plan_format=None, plan_budget=1.0, p
 
     (1) ``on_log`` adds them to the ``logs`` dict, in place: the callbacks after this one see them, such as the
     printer, which the Trainer adds last. The Trainer places its ``report_to`` integrations (TensorBoard, W&B) before
-    the callbacks given to it and records ``state.log_history`` before any callback runs: those do not get them.
+    the callbacks given to it and records ``state.log_history`` before any callback runs: neither gets them.
     (2) ``attach(trainer)`` adds the callback (``trainer.add_callback``) and logs the values through ``trainer.log``,
     a log of their own at the same step, once per step: they reach ``state.log_history``, every ``report_to``
     integration and the printer, whatever the order of the callbacks."""
