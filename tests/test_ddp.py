@@ -74,4 +74,4 @@ def test_torchrun_module_matches_single_process(tmp_path, single):
 
 
 def test_torchrun_cli_file_matches_single_process(tmp_path, single):
-    _assert_matches(_torchrun([str(REPO / "lowprec_demo" / "cli.py")], tmp_path / "ddp.json"), single)
+    _assert_matches(_torchrun([str(REPO / "lowprec_demo" / "book" / "cli.py")], tmp_path / "ddp.json"), single)

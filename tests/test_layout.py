@@ -32,7 +32,7 @@ def _module_path(module: str):
 def _imports(module: str) -> set:
     """The package modules that ``module`` imports anywhere in its source (module level and
     inside functions), as dotted names relative to the package: ``from lowprec_demo.rounding
-    import kernels`` is ``rounding.kernels``, ``from lowprec_demo.rounding import quantize`` is
+    import freeze_rule`` is ``rounding.freeze_rule``, ``from lowprec_demo.rounding import quantize`` is
     ``rounding``. Relative imports are resolved the same way."""
     path = _module_path(module)
     base = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
