@@ -299,11 +299,9 @@ class FreezeWatch:
         self.detach()
 
     def record(self, fmt=None) -> FreezeRecord:
-        """The :class:`~lowprec_demo.freeze.records.FreezeRecord` of a format (the first when None)."""
-        name = self.formats[0] if fmt is None else watch_format(fmt).name
-        if name not in self.records:
-            raise KeyError(f"no record for {name}; this watch records: {', '.join(self.formats)}")
-        return self.records[name]
+        """The :class:`~lowprec_demo.freeze.records.FreezeRecord` of a format (a name, a FloatFormat or the torch
+        dtype that stores it; the first when None)."""
+        return self.tracker.record(None if fmt is None else watch_format(fmt))
 
     def expected_record(self, fmt=None) -> FreezeRecord:
         """Observation: the record (kind ``"predicted"``) of the frozen fraction the update meant predicts by the rule
