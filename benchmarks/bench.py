@@ -110,9 +110,7 @@ def warm_up(device: str) -> dict:
         "step (the predictor's)": lambda: freeze_rule.step_codes(x, x + 1e-3, None, ids, None, fmt),
         "step (one learning rate)": lambda: freeze_rule.step_codes(x, x + 1e-3, grad, ids, zero, fmt),
         "step (one per tensor)": lambda: freeze_rule.step_codes(x, x + 1e-3, grad, ids, torch.zeros(2, device=device),
-                                                               fmt),
-        "equal_count": lambda: freeze_rule.equal_count(x, x + 1e-3),
-        "changed_blocks": lambda: freeze_rule.changed_blocks(x, x + 1e-3)}
+                                                               fmt)}
     seconds, failed = {}, {}
     previous = round_to_grid.set_mode("on")
     start = time.perf_counter()

@@ -26,7 +26,7 @@ BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file
 sys.path.insert(0, BENCHMARKS)
 import bench, bench_report, machine, timing  # noqa: E402  (the benchmark's modules, in benchmarks/)
 from lowprec_demo.rounding import freeze_rule, round_to_grid
-from lowprec_demo.rounding.freeze_rule import BINS, FIRST_EDGE, LAST_EDGE, OCTAVES
+from lowprec_demo.rounding.freeze_rule import BINS, FIRST_EDGE
 from lowprec_demo.rounding.round_to_grid import (LAYOUTS, RoundParams, hash32, nearest_bits, round_params, seed_words,
                                                  stochastic_bits)
 from lowprec_demo.common import packing
@@ -275,13 +275,13 @@ def octave_of(at: torch.Tensor, edges=RATIO_BINS) -> torch.Tensor:
     return torch.where(at == BINS, -1, coarse)
 
 
-def split_pack(old, new, cut):
-    """Two tensors, ``old[:cut]`` and ``old[cut:]``, laid end to end with each starting at a block's
-    start: each element's tensor index (the gaps one past the last) and the flat buffers of ``old``
-    and ``new`` in that layout."""
-    second = -(-cut // freeze_rule.BLOCK) * freeze_rule.BLOCK
+def split_pack(old, new, cut, block=64):
+    """Two tensors, ``old[:cut]`` and ``old[cut:]``, laid end to end with each starting at a multiple of ``block``:
+    each element's tensor index (the gaps one past the last) and the flat buffers of ``old`` and ``new`` in that
+    layout."""
+    second = -(-cut // block) * block
     end = second + len(old) - cut
-    ids = torch.full((-(-end // freeze_rule.BLOCK) * freeze_rule.BLOCK,), 2, dtype=torch.int32)
+    ids = torch.full((-(-end // block) * block,), 2, dtype=torch.int32)
     ids[:cut], ids[second:end] = 0, 1
     buffers = []
     for t in (old, new):
@@ -312,16 +312,14 @@ def freeze_cases(key):
 @pytest.mark.parametrize("key", list(TR.FREEZE_FORMATS))
 def test_step_code_is_the_freeze_rule(compiled, key):
     """The one kernel of the predictor and the watch, compiled and eagerly: frozen is would_freeze, the move
-    probability move_probability with k random bits, the flag grad != 0, the tensor its id; the watch's bin of
-    log2(ratio) - log_lr that of float64 (exact here: the shift is given as thresholds, rule.bin_thresholds), and the
-    predictor's (no shift, no flag) the exact whole octave, in one byte for one tensor."""
+    probability move_probability with k random bits, the flag grad != 0 (0 without a gradient, the predictor's), the
+    tensor its id; the bin of log2(ratio) - log_lr that of float64 (exact here: the shift is given as thresholds,
+    freeze_rule.bin_thresholds; the predictor's unshifted)."""
     fmt = TR.FREEZE_FORMATS[key]
     old, new = freeze_cases(key)
     stored, update = quantize(old, fmt), new - old
     frozen = would_freeze(stored, update, fmt).to(torch.int32)
     ratio = update_ulp_ratio(stored, update, fmt)
-    octave = exact_bins(ratio, list(range(FIRST_EDGE, LAST_EDGE + 1)))
-    octave = torch.where(octave < 0, OCTAVES, octave)     # (NaN in its own slot)
     n_tensors = 5
     tensor_id = (torch.arange(len(old), dtype=torch.int32) * n_tensors) // len(old)
     grad = torch.where(torch.arange(len(old)) % 7 == 0, 0.0, 1.0)
@@ -329,35 +327,18 @@ def test_step_code_is_the_freeze_rule(compiled, key):
         p = freeze_rule.rule_params(fmt, k).tensor()
         for log_lr, g in ((None, None), (torch.tensor([-3.0, -7.5, -10.25, 0.0, -60.0]), grad),
                           (torch.tensor(-13.29), grad)):
-            bins = None if log_lr is None else freeze_rule.bin_thresholds(log_lr)
-            ids = [tensor_id, torch.zeros((), dtype=torch.int32)] if g is None else [tensor_id]
-            for tid in ids:
-                args = (old, new, g, tid, bins, p)
-                eager_code, moves = freeze_rule._step_kernel(*args)
-                if g is None:   # the predictor's call: the move probabilities' sum in the same pass
-                    code, summed = compiled(freeze_rule._step_kernel, *args, moves_sum=True)
-                    assert summed.dtype == torch.float64 and summed.dim() == 0
-                    want_sum = moves.double().sum()
-                    assert ((want_sum.isnan() and summed.isnan())
-                            or math.isclose(summed.item(), want_sum.item(), rel_tol=1e-12))
-                else:           # the watch's: every element's move probability
-                    code, compiled_moves = compiled(freeze_rule._step_kernel, *args)
-                    assert same_bits(compiled_moves, moves)
-                assert torch.equal(code, eager_code)
-                assert same_bits(moves, move_probability(stored, update, fmt, rand_bits=k))
-                if g is None:
-                    assert code.dtype == (torch.uint8 if tid.dim() == 0 else torch.int32)
-                    code = code.to(torch.int32)
-                    assert torch.equal(code & 1, frozen)
-                    assert torch.equal((code >> 1) // (OCTAVES + 1), tid.expand(len(code)))
-                    assert torch.equal((code >> 1) % (OCTAVES + 1), octave), k
-                    continue
-                assert torch.equal((code >> 1) & 1, frozen)
-                assert torch.equal(code & 1, (grad != 0).to(torch.int32))
-                assert torch.equal((code >> 2) // (BINS + 1), tensor_id)
-                at = (code >> 2) % (BINS + 1)
-                want = exact_eighths(ratio, log_lr if log_lr.dim() == 0 else log_lr[tensor_id])
-                assert torch.equal(at, want), (k, log_lr, (at != want).sum().item())
+            args = (old, new, g, tensor_id, freeze_rule.bin_thresholds(log_lr), p)
+            eager_code, moves = freeze_rule._step_kernel(*args)
+            code, compiled_moves = compiled(freeze_rule._step_kernel, *args)
+            assert torch.equal(code, eager_code) and same_bits(compiled_moves, moves)
+            assert same_bits(moves, move_probability(stored, update, fmt, rand_bits=k))
+            assert torch.equal((code >> 1) & 1, frozen)
+            assert torch.equal(code & 1, torch.zeros_like(frozen) if g is None else (grad != 0).to(torch.int32))
+            assert torch.equal((code >> 2) // (BINS + 1), tensor_id)
+            at = (code >> 2) % (BINS + 1)
+            shift = torch.tensor(0.0) if log_lr is None else log_lr if log_lr.dim() == 0 else log_lr[tensor_id]
+            want = exact_eighths(ratio, shift)
+            assert torch.equal(at, want), (k, log_lr, (at != want).sum().item())
 
 
 def test_the_eighth_bins_are_exact_next_to_every_threshold():
@@ -477,23 +458,6 @@ def test_the_ratio_bins_are_those_of_their_edges(edges, mode):
             fold_octaves([0] * BINS, bad)
     with pytest.raises(ValueError, match="770 eighth-octave bins"):
         fold_octaves([0] * 99, edges)
-
-
-def test_equal_count_is_torch_eq(compiled):
-    a = torch.tensor([0.0, -0.0, math.nan, math.inf, -math.inf, 1.0, 2.0, math.inf] * 1000)
-    b = torch.tensor([-0.0, 0.0, math.nan, math.inf, math.inf, 1.0, 2.5, 3.0] * 1000)
-    assert compiled(freeze_rule._equal_count, a, b).item() == torch.eq(a, b).sum().item() == 4000
-    assert freeze_rule._equal_count(a, b).item() == 4000
-
-
-def test_changed_blocks_is_torch_ne(compiled):
-    a = torch.tensor([0.0, -0.0, math.nan, math.inf, -math.inf, 1.0, 2.0, math.inf] * 1000)
-    b = torch.tensor([-0.0, 0.0, math.nan, math.inf, math.inf, 1.0, 2.5, 3.0] * 1000)
-    b[::7] = a[::7]   # NaN included: it still differs
-    want = (~torch.eq(a, b)).view(-1, freeze_rule.BLOCK).sum(1).float()
-    assert torch.equal(compiled(freeze_rule._changed_blocks, a, b), want)
-    assert torch.equal(freeze_rule._changed_blocks(a, b), want)
-    assert want.sum().item() == 8000 - torch.eq(a, b).sum().item()
 
 
 def _tracked_tensors():
@@ -676,16 +640,16 @@ def test_auto_mode_compiles_once_the_eager_work_reaches_the_budget(monkeypatch):
     monkeypatch.setattr(round_to_grid, "_eager_work", {})
     monkeypatch.setattr(round_to_grid, "EAGER_BUDGET", 3000)
     previous = round_to_grid.set_mode("auto")
-    kernels = (stochastic_bits, nearest_bits, freeze_rule._changed_blocks)
+    kernels = (stochastic_bits, nearest_bits, freeze_rule._step_kernel)
+    step = (lambda x: freeze_rule.step_codes(x, x.flip(0), None, torch.zeros((), dtype=torch.int32), None,
+                                             get_format("e5m3")))
     try:
         x = sample_fp32(get_format("e5m3"), 9, n=1000)[:1984]
-        first = [quantize(x, "e5m3", "stochastic", generator=5), quantize(x, "e5m3"),
-                 freeze_rule.changed_blocks(x, x.flip(0))]
+        first = [quantize(x, "e5m3", "stochastic", generator=5), quantize(x, "e5m3"), *step(x)]
         assert round_to_grid._compiled == {} and all(round_to_grid._eager_work[k] == 1984 for k in kernels)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)     # (where torch.compile fails here: eager again)
-            second = [quantize(x, "e5m3", "stochastic", generator=5), quantize(x, "e5m3"),
-                      freeze_rule.changed_blocks(x, x.flip(0))]
+            second = [quantize(x, "e5m3", "stochastic", generator=5), quantize(x, "e5m3"), *step(x)]
         assert all((k, "cpu") in round_to_grid._compiled for k in kernels)
         assert all(same_bits(a, b) for a, b in zip(first, second))
     finally:
@@ -905,11 +869,8 @@ def test_cuda_compiled_kernels_match_the_cpu(key):
         p = freeze_rule.rule_params(fmt, 3).tensor()
         want_code, want_moves = freeze_rule._step_kernel(old, new, grad, tensor_id, freeze_rule.bin_thresholds(log_lr), p)
         assert torch.equal(code.cpu(), want_code) and same_bits(moves.cpu(), want_moves)   # every bin exactly
-        zero = torch.zeros((), dtype=torch.int32)     # the predictor's: whole octaves, a byte each, the moves summed
-        code, moved = freeze_rule.step_codes(old.cuda(), new.cuda(), None, zero.cuda(), None, fmt, 3, moves_sum=True,
-                                             octaves=True)
-        want_code, want_moves = freeze_rule._step_kernel(old, new, None, zero, None, p)
-        assert code.dtype == torch.uint8 and torch.equal(code.cpu(), want_code)
-        assert math.isclose(moved.item(), want_moves.double().sum().item(), rel_tol=1e-12)
+        code, moves = freeze_rule.step_codes(old.cuda(), new.cuda(), None, tensor_id.cuda(), None, fmt, 3)   # the predictor's
+        want_code, want_moves = freeze_rule._step_kernel(old, new, None, tensor_id, freeze_rule.bin_thresholds(), p)
+        assert torch.equal(code.cpu(), want_code) and same_bits(moves.cpu(), want_moves)
     finally:
         round_to_grid.set_mode(previous)

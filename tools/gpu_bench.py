@@ -106,15 +106,14 @@ def check_bits(device: str, mode: str = "on", n_random: int = 50_000, stride: in
             old = rnd.nan_to_num(0.0, 0.0, 0.0)
             new = (old * (1 + 2.0**-9) + 1e-7).nan_to_num(0.0, 0.0, 0.0)
             zero = torch.zeros((), dtype=torch.int32, device=device)
-            # the predictor's call: whole octaves in a byte per element, the move probabilities summed in the same pass
-            code, moved = freeze_rule.step_codes(old.to(device), new.to(device), None, zero, None, fmt, 3,
-                                                 moves_sum=True, octaves=True)
+            # the predictor's call: no gradient, no learning-rate shift
+            code, moves = freeze_rule.step_codes(old.to(device), new.to(device), None, zero, None, fmt, 3)
             eager = round_to_grid.set_mode("off")
-            want_code, want_moves = freeze_rule.step_codes(old, new, None, zero.cpu(), None, fmt, 3, octaves=True)
+            want_code, want_moves = freeze_rule.step_codes(old, new, None, zero.cpu(), None, fmt, 3)
             round_to_grid.set_mode(eager)
-            # every code exactly: the frozen bit and the octave
+            # every code exactly: the frozen bit and the bin
             row["step_code"] = int((code.cpu() != want_code).sum())
-            want_moved = want_moves.double().sum()
+            moved, want_moved = moves.double().sum(), want_moves.double().sum()
             row["moved_relative_error"] = abs(moved.item() - want_moved.item()) / max(1e-300, abs(want_moved.item()))
             out[key] = row
         # quantize end to end, as users call it (nearest float8 takes the fused kernel on the GPU)

@@ -32,17 +32,13 @@ from lowprec_demo.rounding.round_to_grid import (_NARROW, LAYOUTS, BitLayout, _c
                                                  check_rand_bits, check_tensor, grid_bits, quantize, rne_magnitude, run)
 
 __all__ = ["ulp", "would_freeze", "move_probability", "update_ulp_ratio", "decay_rounds_back", "gap_value",
-           "FIRST_EDGE", "LAST_EDGE", "PER_OCTAVE", "BINS", "OCTAVES", "RuleParams", "rule_params", "freeze_elements",
-           "move_share", "bin_thresholds", "element_codes", "step_codes", "fits", "equal_count", "changed_blocks",
-           "BLOCK"]
+           "FIRST_EDGE", "LAST_EDGE", "PER_OCTAVE", "BINS", "RuleParams", "rule_params", "freeze_elements", "move_share",
+           "bin_thresholds", "element_codes", "step_codes", "fits"]
 
 # the one binning of log2(|d| / gap) (less log2(lr) where the watch divides by the learning rate): eighths of an
-# octave from 2**-64 to 2**32, a bin below and one above; a NaN ratio takes one more slot (BINS) of its own. The same
-# bins in whole octaves (OCTAVES of them, the predictor's: eight eighths each) are those of ``ceil(log2 ratio)``
+# octave from 2**-64 to 2**32, a bin below and one above; a NaN ratio takes one more slot (BINS) of its own
 FIRST_EDGE, LAST_EDGE, PER_OCTAVE = -64, 32, 8
 BINS = (LAST_EDGE - FIRST_EDGE) * PER_OCTAVE + 2
-OCTAVES = LAST_EDGE - FIRST_EDGE + 2
-BLOCK = 64                     # in a pack of several tensors, each starts at a multiple of this many elements
 _F32 = LAYOUTS[torch.float32]
 
 
@@ -247,73 +243,56 @@ def bin_thresholds(log_lr: Optional[torch.Tensor] = None, device=None) -> torch.
     return torch.cat([a.float().unsqueeze(-1), t], -1)
 
 
-def element_codes(frozen: torch.Tensor, ratio: torch.Tensor, flag, tensor_id,
-                  bins: Optional[torch.Tensor]) -> torch.Tensor:
+def element_codes(frozen: torch.Tensor, ratio: torch.Tensor, flag, tensor_id, bins: torch.Tensor) -> torch.Tensor:
     """The code of every element for one ``bincount`` of a step: ``((tensor_id * (BINS + 1) + at) << 2) | frozen << 1
     | flag`` (int32), with ``at`` the bin of ``y = log2(ratio) - log_lr[tensor_id]`` among :data:`BINS` bins an
     eighth of an octave wide from :data:`FIRST_EDGE` (bin 0 up to it, ratio 0 included; the last above
     :data:`LAST_EDGE`, inf included; NaN in slot ``BINS``), the shift by ``log_lr`` given as :func:`bin_thresholds` (one
-    row for all, or a row per tensor). ``flag`` (0/1 int32, or 0) is the watch's gradient flag.
+    row for all, or a row per tensor; ``bin_thresholds()``: no shift). ``flag`` (0/1 int32, or 0) is the watch's
+    gradient flag.
 
     ``ceil(8 y)`` is ``8 * floor(log2 ratio)``, exact from the exponent bits, plus ``ceil(8 * (log2(m) - log_lr))`` for
     the mantissa ``m`` in [1, 2): the count of thresholds below ``m`` less the shift's whole eighths, found in three
     comparisons. Every bin is exact; a subnormal ratio (below ``2**-126``) counts in bin 0, its bin wherever
     ``log_lr >= -62``.
 
-    ``bins=None`` gives the same bins in whole octaves, unshifted, with no flag: ``((tensor_id * (OCTAVES + 1) + at)
-    << 1) | frozen``, ``at`` the slot of ``ceil(log2 ratio)`` (``OCTAVES`` for NaN), the eight eighth-octave bins of
-    each octave in one; one byte (uint8) for a 0-dim ``tensor_id``, else int32.
-
     Example:
         >>> one = torch.ones(1)
         >>> code = element_codes(one.bool(), one * 0.25, 1, torch.zeros(1, dtype=torch.int32), bin_thresholds())
         >>> ((code >> 2) % (BINS + 1)).item() == 8 * (-2 - FIRST_EDGE), (code & 3).item()
         (True, 3)
-        >>> code = element_codes(one.bool(), one * 0.25, 0, torch.zeros((), dtype=torch.int32), None)
-        >>> (code >> 1).item() == -2 - FIRST_EDGE, (code & 1).item(), code.dtype
-        (True, 1, torch.uint8)
     """
     rb = ratio.view(torch.int32) & 0x7FFFFFFF
-    if bins is None:   # ceil(log2 ratio): the exponent, one more for a mantissa above 1
-        at = (rb >> 23) - (127 + FIRST_EDGE) + ((rb & 0x7FFFFF) != 0).to(torch.int32)
-        slots, low = OCTAVES, frozen.to(torch.int32)
-    else:
-        m = ((rb & 0x7FFFFF) | (127 << 23)).view(torch.float32)
-        t = bins if bins.dim() == 1 else bins[tensor_id]
-        # #{j: m > t_j} by a binary search over the sorted t_1..t_7, plus m > t_0
-        upper = m > t[..., 5]
-        half = m > torch.where(upper, t[..., 7], t[..., 3])
-        last = m > torch.where(upper, torch.where(half, t[..., 8], t[..., 6]), torch.where(half, t[..., 4], t[..., 2]))
-        above = (upper.to(torch.int32) * 4 + half.to(torch.int32) * 2 + last.to(torch.int32)
-                 + (m > t[..., 1]).to(torch.int32))
-        at = ((rb >> 23) - (127 + FIRST_EDGE)) * PER_OCTAVE + above - t[..., 0].to(torch.int32)
-        slots, low = BINS, (frozen.to(torch.int32) << 1) | flag
-    at = torch.where(rb < (1 << 23), 0, torch.clamp(at, 0, slots - 1))     # 0 and the subnormals in bin 0
-    at = torch.where(rb > _F32.inf_bits, slots, at)
-    code = ((tensor_id * (slots + 1) + at) << (1 if bins is None else 2)) | low
-    return code.to(torch.uint8) if bins is None and tensor_id.dim() == 0 else code
+    m = ((rb & 0x7FFFFF) | (127 << 23)).view(torch.float32)
+    t = bins if bins.dim() == 1 else bins[tensor_id]
+    # #{j: m > t_j} by a binary search over the sorted t_1..t_7, plus m > t_0
+    upper = m > t[..., 5]
+    half = m > torch.where(upper, t[..., 7], t[..., 3])
+    last = m > torch.where(upper, torch.where(half, t[..., 8], t[..., 6]), torch.where(half, t[..., 4], t[..., 2]))
+    above = (upper.to(torch.int32) * 4 + half.to(torch.int32) * 2 + last.to(torch.int32)
+             + (m > t[..., 1]).to(torch.int32))
+    at = ((rb >> 23) - (127 + FIRST_EDGE)) * PER_OCTAVE + above - t[..., 0].to(torch.int32)
+    at = torch.where(rb < (1 << 23), 0, torch.clamp(at, 0, BINS - 1))     # 0 and the subnormals in bin 0
+    at = torch.where(rb > _F32.inf_bits, BINS, at)
+    return ((tensor_id * (BINS + 1) + at) << 2) | (frozen.to(torch.int32) << 1) | flag
 
 
-def _step_kernel(old: torch.Tensor, new: torch.Tensor, grad: Optional[torch.Tensor], tensor_id, bins, p,
-                 moves_sum: bool = False):
+def _step_kernel(old: torch.Tensor, new: torch.Tensor, grad: Optional[torch.Tensor], tensor_id, bins, p):
     """The rule at ``q(old)`` for ``new - old`` (flat float32), its codes and move probabilities, in one pass."""
     q = RuleParams.read(p)
     ob = old.view(torch.int32)
     wu = rne_magnitude(torch.clamp(ob & 0x7FFFFFFF, max=_F32.inf_bits), q)
     frozen, ratio, stuck = freeze_elements(wu, ob, new - old, q, _F32)
     flag = 0 if grad is None else (grad != 0).to(torch.int32)
-    moves = move_share(ratio, stuck, q.rand_bits)
-    return element_codes(frozen, ratio, flag, tensor_id, bins), moves.to(torch.float64).sum() if moves_sum else moves
+    return element_codes(frozen, ratio, flag, tensor_id, bins), move_share(ratio, stuck, q.rand_bits)
 
 
 def step_codes(old: torch.Tensor, new: torch.Tensor, grad: Optional[torch.Tensor], tensor_id: torch.Tensor,
-               log_lr: Optional[torch.Tensor], fmt: FloatFormat, rand_bits: Optional[int] = None,
-               moves_sum: bool = False, octaves: bool = False):
-    """The codes (:func:`element_codes`) and move probabilities (resolved to ``rand_bits``, None: full; with
-    ``moves_sum`` their float64 sum) of the update ``new - old`` at ``q(old)`` of flat float32 tensors (where
-    :func:`fits`), in one kernel pass: ``grad`` the gradients or None (no flag), ``tensor_id`` int32 per element or
-    0-dim, ``log_lr`` float32 per tensor, 0-dim (one for all) or None (no shift); ``octaves``: whole octaves, no shift
-    and no flag.
+               log_lr: Optional[torch.Tensor], fmt: FloatFormat, rand_bits: Optional[int] = None):
+    """The codes (:func:`element_codes`) and move probabilities (resolved to ``rand_bits``, None: full) of the update
+    ``new - old`` at ``q(old)`` of flat float32 tensors (where :func:`fits`), in one kernel pass: ``grad`` the
+    gradients or None (no flag), ``tensor_id`` int32 per element or 0-dim, ``log_lr`` float32 per tensor, 0-dim (one
+    for all) or None (no shift).
 
     Example:
         >>> old = torch.ones(4); new = old + torch.tensor([1e-3, 1e-2, 0.0, 1.0])
@@ -321,33 +300,10 @@ def step_codes(old: torch.Tensor, new: torch.Tensor, grad: Optional[torch.Tensor
         >>> (code & 2).bool().tolist()
         [True, False, True, False]
     """
-    if octaves and (grad is not None or log_lr is not None):
-        raise ValueError("whole-octave codes take neither a gradient flag nor a learning-rate shift")
     p = cached_tensor(rule_params(fmt, rand_bits), torch.int32, old.device)
-    bins = None if octaves else bin_thresholds(log_lr, old.device)
-    return run(_step_kernel, old, new, grad, tensor_id, bins, p, moves_sum=moves_sum)
+    return run(_step_kernel, old, new, grad, tensor_id, bin_thresholds(log_lr, old.device), p)
 
 
 def fits(x: torch.Tensor, fmt: FloatFormat) -> bool:
     """Whether :func:`step_codes` handles this tensor and format: float32 values, a format float32 holds."""
     return x.dtype == torch.float32 and fmt.e_max + 1 <= 128
-
-
-def _equal_count(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return torch.where(a == b, 1, 0).sum()
-
-
-def _changed_blocks(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return torch.where(a.view(-1, BLOCK) == b.view(-1, BLOCK), 0.0, 1.0).sum(1)
-
-
-def equal_count(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """How many elements of ``a`` equal those of ``b`` (``a == b`` as floats compare: NaN never, +0 and -0 always), as
-    an int64 0-dim tensor, in one pass that writes nothing."""
-    return run(_equal_count, a, b)
-
-
-def changed_blocks(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """How many elements differ (``a == b`` false) in each block of :data:`BLOCK` elements of two flat float32 tensors,
-    as float32 (exact; a float sum, which inductor's CPU code vectorizes)."""
-    return run(_changed_blocks, a, b)
