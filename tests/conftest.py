@@ -100,6 +100,31 @@ def lightning():
     return SimpleNamespace(module=module, trainer=trainer, stepwise=stepwise)
 
 
+@pytest.fixture
+def hf():
+    """transformers, or the test skips: ``.trainer(tmp_path, callback=None, dtype=torch.float32, steps=4, samples=16,
+    lr=1e-3, logging_steps=2, **options)`` a CPU ``Trainer`` of a one-layer GPT-2 (a vocabulary of 40, 16 tokens, built
+    from its config: no download) on ``samples`` random sequences (torch's seed 0: the same model and data each time),
+    a cosine schedule, no reporting, checkpoints or bars (``options`` override the TrainingArguments); ``.module`` is
+    transformers."""
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed: pip install transformers")
+
+    def trainer(tmp_path, callback=None, dtype=torch.float32, steps=4, samples=16, lr=1e-3, logging_steps=2, **options):
+        config = transformers.GPT2Config(vocab_size=40, n_positions=16, n_embd=16, n_layer=1, n_head=2,
+                                         bos_token_id=0, eos_token_id=0)
+        torch.manual_seed(0)
+        model = transformers.GPT2LMHeadModel(config).to(dtype)
+        data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 40, (samples, 16))]
+        settings = dict(output_dir=str(tmp_path), max_steps=steps, per_device_train_batch_size=4, learning_rate=lr,
+                        lr_scheduler_type="cosine", logging_steps=logging_steps, report_to=[], save_strategy="no",
+                        use_cpu=True, disable_tqdm=True)
+        args = transformers.TrainingArguments(**(settings | options))
+        return transformers.Trainer(model=model, args=args, train_dataset=data,
+                                    callbacks=None if callback is None else [callback])
+
+    return SimpleNamespace(trainer=trainer, module=transformers)
+
+
 # Tests that skip because an optional library is missing ("... is not installed", the reason every
 # such skip gives). With LOWPREC_LIBRARY_SKIPS=FILE their ids are written to FILE, one a line, so
 # that CI runs exactly those once more after installing the optional libraries.

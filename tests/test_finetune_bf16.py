@@ -68,18 +68,11 @@ def test_variants_keep_their_parameters_in_bfloat16(tiny, variant):
     assert result["bytes_per_parameter_held"] >= 6.0 - 1e-6      # the weights and Adam's two moments, 2 bytes each
 
 
-def _hf_run(tmp_path, callback, steps=12):
-    transformers = pytest.importorskip("transformers", reason="transformers is not installed: pip install transformers")
-    config = transformers.GPT2Config(vocab_size=40, n_positions=16, n_embd=16, n_layer=1, n_head=2, bos_token_id=0,
-                                     eos_token_id=0)
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(config).to(torch.bfloat16)      # no hub download
-    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 40, (64, 16))]
-    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=steps, per_device_train_batch_size=4,
-                                          learning_rate=1e-4, lr_scheduler_type="cosine", logging_steps=4, bf16=False,
-                                          report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True)
-    transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[callback]).train()
-    return model
+def _hf_run(hf, tmp_path, callback, steps=12):
+    trainer = hf.trainer(tmp_path, callback, dtype=torch.bfloat16, steps=steps, samples=64, lr=1e-4, logging_steps=4,
+                         bf16=False)
+    trainer.train()
+    return trainer.model
 
 
 def _sees_bf16_freezing(w, model):
@@ -93,18 +86,16 @@ def _sees_bf16_freezing(w, model):
     assert all(record.by_tensor[name][-1] > 0.9 for name in gains)
 
 
-def test_hugging_face_trainer_watch_sees_bf16_weights_freeze(tmp_path):
-    pytest.importorskip("transformers", reason="transformers is not installed: pip install transformers")
+def test_hugging_face_trainer_watch_sees_bf16_weights_freeze(tmp_path, hf):
     callback = lp.monitor.hf_callback(path=tmp_path / "watch.json")
-    model = _hf_run(tmp_path, callback)
+    model = _hf_run(hf, tmp_path, callback)
     _sees_bf16_freezing(callback.watch, model)
     assert lp.load_watch(tmp_path / "watch.json").data["steps"][-1] == 11
 
 
-def test_hugging_face_trainer_plans_after_k_steps_on_bf16_weights(tmp_path):
-    pytest.importorskip("transformers", reason="transformers is not installed: pip install transformers")
+def test_hugging_face_trainer_plans_after_k_steps_on_bf16_weights(tmp_path, hf):
     callback = lp.monitor.hf_callback(path=tmp_path / "watch.json", plan_after=4)
-    model = _hf_run(tmp_path, callback)
+    model = _hf_run(hf, tmp_path, callback)
     plan = callback.plan
     assert plan is not None and plan.format == "bf16" and plan.total_steps == 12
     assert plan.bytes_per_parameter()["extra"] <= 1.0 + 1e-9

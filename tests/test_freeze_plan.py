@@ -324,21 +324,14 @@ def _on_grid(model, plan):
     return all(torch.equal(named[n].detach(), lp.quantize(named[n].detach(), plan.format)) for n in plan.remedies)
 
 
-def test_hugging_face_callback_plans_after_k_steps(tmp_path):
-    transformers = pytest.importorskip("transformers", reason="transformers is not installed: pip install transformers")
+def test_hugging_face_callback_plans_after_k_steps(tmp_path, hf):
     from lowprec_demo.monitor.integrations import hf_callback
-    config = transformers.GPT2Config(vocab_size=40, n_positions=16, n_embd=16, n_layer=1, n_head=2, bos_token_id=0,
-                                     eos_token_id=0)
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(config)
-    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 40, (48, 16))]
-    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=12, per_device_train_batch_size=4,
-                                          learning_rate=1e-3, lr_scheduler_type="cosine", logging_steps=4,
-                                          report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True)
     with pytest.raises(ValueError, match="plan_after is a number of optimizer steps"):
         hf_callback(plan_after=0)
     callback = hf_callback(formats=("bf16",), plan_after=4)
-    transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[callback]).train()
+    trainer = hf.trainer(tmp_path, callback, steps=12, samples=48, logging_steps=4)
+    trainer.train()
+    model = trainer.model
     plan = callback.plan
     assert plan is not None and plan.step == 3 and plan.total_steps == 12
     assert load_plan(tmp_path / "freeze_plan.json") == plan

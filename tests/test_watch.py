@@ -15,28 +15,7 @@ from lowprec_demo.formats import format_of_dtype
 from lowprec_demo.monitor.diagnoses import DIAGNOSIS_KINDS
 from lowprec_demo.monitor.freeze_watch import FreezeWatch
 from lowprec_demo.monitor.report import load_watch
-
-
-def tiny_model(seed=0):
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Embedding(20, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 20))
-
-
-def batches(n, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 12, (16,), generator=g) for _ in range(n)]   # tokens 12..19 never occur
-
-
-def train(model, opt, steps, sched=None, seed=0, each=None):
-    for t, x in enumerate(batches(steps, seed)):
-        loss = torch.nn.functional.cross_entropy(model(x).float(), (x + 1) % 12)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        if sched is not None:
-            sched.step()
-        if each is not None:
-            each(t)
+from tiny_run import batches, tiny_model, train
 
 
 def test_prediction_is_the_predictors_bit_for_bit():
@@ -410,20 +389,12 @@ def test_tensorboard_scalars(tmp_path):
     assert "freeze/bf16/vectors" in events.Tags()["scalars"]
 
 
-def test_hugging_face_trainer_callback(tmp_path, capsys):
-    transformers = pytest.importorskip("transformers", reason="transformers is not installed: pip install transformers")
+def test_hugging_face_trainer_callback(tmp_path, capsys, hf):
     from lowprec_demo.monitor.integrations import hf_callback
-    config = transformers.GPT2Config(vocab_size=40, n_positions=16, n_embd=16, n_layer=1, n_head=2, bos_token_id=0,
-                                     eos_token_id=0)
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(config)
-    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 40, (24, 16))]
-    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=6, per_device_train_batch_size=4,
-                                          learning_rate=1e-3, lr_scheduler_type="cosine", logging_steps=3,
-                                          report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True)
     callback = hf_callback(formats=("bf16",))
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[callback])
+    trainer = hf.trainer(tmp_path, callback, steps=6, samples=24, logging_steps=3)
     trainer.train()
+    model = trainer.model
     w = callback.watch
     assert w.steps == list(range(6)) and w.total_steps == 6
     assert {n for n in w.tracked} == {n for n, p in model.named_parameters() if p.requires_grad}

@@ -222,25 +222,10 @@ def test_reports_with_the_expected_record_and_older_ones_without_it_load(tmp_pat
 
 # ---- the trainers' callbacks: plan_after on a bf16 model -----------------------------------------
 
-def _gpt2_trainer(tmp_path, callback, dtype=torch.bfloat16, steps=6, **options):
-    transformers = pytest.importorskip("transformers", reason="transformers is not installed: pip install transformers")
-    config = transformers.GPT2Config(vocab_size=40, n_positions=16, n_embd=16, n_layer=1, n_head=2, bos_token_id=0,
-                                     eos_token_id=0)
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(config).to(dtype)
-    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 40, (32, 16))]
-    settings = dict(output_dir=str(tmp_path), max_steps=steps, per_device_train_batch_size=4, learning_rate=1e-4,
-                    lr_scheduler_type="cosine", logging_steps=2, report_to=[], save_strategy="no", use_cpu=True,
-                    disable_tqdm=True)
-    args = transformers.TrainingArguments(**(settings | options))
-    return transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[callback])
-
-
-def test_hf_plan_after_plans_a_bf16_model(tmp_path):
-    pytest.importorskip("transformers", reason="transformers is not installed: pip install transformers")
+def test_hf_plan_after_plans_a_bf16_model(tmp_path, hf):
     from lowprec_demo.monitor.integrations import hf_callback
     callback = hf_callback(plan_after=3)
-    trainer = _gpt2_trainer(tmp_path, callback)
+    trainer = hf.trainer(tmp_path, callback, dtype=torch.bfloat16, steps=6, samples=32, lr=1e-4)
     trainer.train()
     plan = callback.plan
     assert isinstance(plan, FreezePlan) and plan.format == "bf16" and plan.step == 2
@@ -249,11 +234,10 @@ def test_hf_plan_after_plans_a_bf16_model(tmp_path):
     assert all(p.dtype == torch.bfloat16 for p in trainer.model.parameters())
 
 
-def test_hf_plan_after_on_a_bf16_model_refuses_a_format_it_is_not_stored_in(tmp_path):
-    pytest.importorskip("transformers", reason="transformers is not installed: pip install transformers")
+def test_hf_plan_after_on_a_bf16_model_refuses_a_format_it_is_not_stored_in(tmp_path, hf):
     from lowprec_demo.monitor.integrations import hf_callback
     callback = hf_callback(plan_after=3, plan_format="fp16")
-    trainer = _gpt2_trainer(tmp_path, callback)
+    trainer = hf.trainer(tmp_path, callback, dtype=torch.bfloat16, steps=6, samples=32, lr=1e-4)
     with pytest.raises(ValueError, match=r"plan_format='fp16'.*observes.*one of bf16"):
         trainer.train()
     assert trainer.state.global_step == 0

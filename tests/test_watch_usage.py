@@ -15,40 +15,7 @@ import lowprec_demo as lp
 from lowprec_demo.rounding import round_to_grid
 from lowprec_demo.book.cli import main
 from lowprec_demo.monitor.diagnoses import Diagnosis, group_lines
-
-
-def tiny_model(seed=0, norms=1):
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Embedding(20, 8), *[torch.nn.LayerNorm(8) for _ in range(norms)],
-                               torch.nn.Linear(8, 20))
-
-
-def train(model, opt, steps, sched=None):
-    g = torch.Generator().manual_seed(0)
-    for _ in range(steps):
-        x = torch.randint(0, 12, (16,), generator=g)
-        loss = torch.nn.functional.cross_entropy(model(x).float(), (x + 1) % 12)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        if sched is not None:
-            sched.step()
-
-
-def gpt2_trainer(tmp_path, callback, dtype=torch.float32, steps=4, **options):
-    transformers = pytest.importorskip("transformers", reason="transformers is not installed: pip install transformers")
-    config = transformers.GPT2Config(vocab_size=40, n_positions=16, n_embd=16, n_layer=1, n_head=2, bos_token_id=0,
-                                     eos_token_id=0)
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(config).to(dtype)
-    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 40, (16, 16))]
-    settings = dict(output_dir=str(tmp_path), max_steps=steps, per_device_train_batch_size=4, learning_rate=1e-3,
-                    lr_scheduler_type="cosine", logging_steps=2, report_to=[], save_strategy="no", use_cpu=True,
-                    disable_tqdm=True)
-    settings.update(options)
-    args = transformers.TrainingArguments(**settings)
-    return transformers.Trainer(model=model, args=args, train_dataset=data,
-                                callbacks=None if callback is None else [callback])
+from tiny_run import tiny_model, train
 
 
 # ---- misconfiguration: at construction or before the first step -------------------------------
@@ -76,18 +43,17 @@ def test_plan_options_fail_when_the_callback_is_made():
         hf_callback(plan_after=0)
 
 
-def test_hf_plan_after_on_bf16_weights_under_an_unread_optimizer_fails_before_the_first_step(tmp_path):
-    pytest.importorskip("transformers", reason="transformers is not installed: pip install transformers")
+def test_hf_plan_after_on_bf16_weights_under_an_unread_optimizer_fails_before_the_first_step(tmp_path, hf):
     from lowprec_demo.monitor.integrations import hf_callback
     callback = hf_callback(plan_after=3)
-    trainer = gpt2_trainer(tmp_path, callback, dtype=torch.bfloat16, optim="adagrad")
+    trainer = hf.trainer(tmp_path, callback, dtype=torch.bfloat16, optim="adagrad")
     with pytest.raises(ValueError, match=r"plan_after=3.*torch\.optim\.AdamW.*Adagrad"):
         trainer.train()
     assert trainer.state.global_step == 0                     # no step of work was lost
     assert callback.watch.steps == [] and not (tmp_path / "freeze_watch.json").exists()
     # a plan format the watch does not predict: the same, before the first step
     callback = hf_callback(plan_after=2, plan_format="e4m3", formats=("bf16",))
-    trainer = gpt2_trainer(tmp_path / "b", callback)
+    trainer = hf.trainer(tmp_path / "b", callback)
     with pytest.raises(ValueError, match="plan_format='e4m3'"):
         trainer.train()
     assert trainer.state.global_step == 0
@@ -255,13 +221,12 @@ def test_a_warning_when_no_watched_parameter_requires_grad():
 
 # ---- Hugging Face: the values in the history and in TensorBoard -------------------------------
 
-def test_hf_values_reach_log_history_and_tensorboard_when_attached(tmp_path):
-    pytest.importorskip("transformers", reason="transformers is not installed: pip install transformers")
+def test_hf_values_reach_log_history_and_tensorboard_when_attached(tmp_path, hf):
     pytest.importorskip("tensorboard", reason="tensorboard is not installed: pip install tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from lowprec_demo.monitor.integrations import hf_callback
     callback = hf_callback(formats=("bf16", "e8m5"))
-    trainer = gpt2_trainer(tmp_path, None, report_to=["tensorboard"])
+    trainer = hf.trainer(tmp_path, report_to=["tensorboard"])
     assert callback.attach(trainer) is callback
     trainer.train()
     logged = [h for h in trainer.state.log_history if "frozen_bf16" in h]   # a log of their own, once per step
@@ -279,17 +244,16 @@ def test_hf_values_reach_log_history_and_tensorboard_when_attached(tmp_path):
     assert "train/frozen_bf16" in tags and "train/frozen_e8m5" in tags, tags
 
 
-def test_hf_values_go_into_the_logs_of_the_callbacks_after_it(tmp_path):
+def test_hf_values_go_into_the_logs_of_the_callbacks_after_it(tmp_path, hf):
     """Given in ``callbacks=[...]``, the callback adds its values to the ``logs`` of ``on_log``, which the callbacks
     after it see (the printer, one added later); the Trainer's history, recorded before the callbacks, has none."""
-    transformers = pytest.importorskip("transformers", reason="transformers is not installed: pip install transformers")
     from lowprec_demo.monitor.integrations import hf_callback
     seen = []
 
-    class After(transformers.TrainerCallback):
+    class After(hf.module.TrainerCallback):
         def on_log(self, args, state, control, logs=None, **kwargs):
             seen.append(dict(logs))
-    trainer = gpt2_trainer(tmp_path, hf_callback(formats=("bf16",)))
+    trainer = hf.trainer(tmp_path, hf_callback(formats=("bf16",)))
     trainer.add_callback(After())
     trainer.train()
     assert [log["frozen_bf16"] >= 0.0 for log in seen if "loss" in log] == [True, True]
