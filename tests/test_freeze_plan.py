@@ -9,7 +9,7 @@ import torch
 import lowprec_demo as lp
 from lowprec_demo.optim.plan import PLAN_REMEDIES, FreezePlan, kahan_buffer_format, load_plan
 from lowprec_demo.monitor.integrations import attach_plan
-from lowprec_demo.optim.optimizer import LowPrecisionOptimizer, bytes_per_parameter
+from lowprec_demo.optim import LowPrecisionOptimizer, bytes_per_parameter
 
 from test_watch import _ConvLayerNorm
 

@@ -68,7 +68,7 @@ def attach_plan(optimizer: torch.optim.Optimizer, plan: FreezePlan, model: Optio
     """Apply ``plan`` to an optimizer that a training loop keeps stepping itself (a Trainer's):
     the tensors it names are rounded onto the plan's grid now, and from then on every ``optimizer.step()`` stores them
     with their remedies, through the optimizer's step hooks. Returns the :class:`AttachedPlan` (a
-    :class:`LowPrecisionOptimizer`) that does it (for :func:`~lowprec_demo.optim.optimizer.bytes_per_parameter` and
+    :class:`LowPrecisionOptimizer`) that does it (for :func:`~lowprec_demo.optim.memory.bytes_per_parameter` and
     ``state_dict``; do not step it as well); its ``detach_plan()`` removes the hooks. Other step hooks on the optimizer
     run in the order registered: from the plan's pre hook to its post hook, parameters stored in bf16 or fp16 are
     float32 working copies and master weights are in place (a hook registered before the plan sees the stored weights

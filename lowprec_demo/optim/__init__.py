@@ -15,10 +15,11 @@ forward pass uses exactly the weights of a model kept in that format. The remedi
 * ``compensation="feedback"``: each step's rounding error fed into the optimizer's first moment (ECO), no byte more.
 
 Parameters really stored in torch.bfloat16 or torch.float16 take their step in float32 working copies that live
-during the step only (:mod:`~lowprec_demo.optim.storage`); their optimizer state stays in their dtype.
+during the step only (:mod:`~lowprec_demo.optim.storage`): for that step the process holds float32 copies of all their
+weights, gradients and elementwise state at once; between steps the state stays in their dtype.
 
 A :class:`FreezePlan` gives each tensor its own remedy, ``state_format`` keeps the optimizer state (Adam's moments) on
-a grid too, and :func:`bytes_per_parameter` counts what a setting stores; ``options`` checks the arguments.
+a grid too, and :func:`bytes_per_parameter` (``memory``) counts what a setting stores; ``options`` checks the arguments.
 Packing small tensors into one buffer (``pack=True``) and FSDP2's shards are :mod:`lowprec_demo.common`'s.
 
 Example:
@@ -30,7 +31,8 @@ Example:
     [1.0, 1.0, 1.0]
 """
 
-from lowprec_demo.optim.optimizer import COMPENSATIONS, PARAM_SELECTIONS, LowPrecisionOptimizer, bytes_per_parameter, select_params
+from lowprec_demo.optim.memory import bytes_per_parameter
+from lowprec_demo.optim.optimizer import COMPENSATIONS, PARAM_SELECTIONS, LowPrecisionOptimizer, select_params
 from lowprec_demo.optim.plan import PLAN_REMEDIES, FreezePlan, load_plan
 
 __all__ = ["LowPrecisionOptimizer", "bytes_per_parameter", "select_params", "PARAM_SELECTIONS", "COMPENSATIONS",

@@ -17,48 +17,7 @@ from lowprec_demo.optim.plan import PLAN_REMEDIES, FreezePlan, resolve_plan
 from lowprec_demo.rounding.round_to_grid import MAX_NUMEL
 from lowprec_demo.rounding import ROUNDING_MODES, GeneratorLike, draw_seed, quantize_
 
-__all__ = ["LowPrecisionOptimizer", "select_params", "bytes_per_parameter", "PARAM_SELECTIONS", "COMPENSATIONS"]
-
-
-def bytes_per_parameter(optimizer: torch.optim.Optimizer) -> dict:
-    """Bytes per parameter element, as an implementation that really keeps each tensor in its format would store them:
-    ``weights`` (the format's width for the low-precision parameters), ``master`` copies (4 bytes; a bf16 weight's
-    16-bit remainder: 2), optimizer ``state`` (once a step made it), ``compensation`` buffers and their ``total``
-    (gradients and activations: the same for all); and ``held``, what the process holds: every parameter, every tensor
-    of the optimizer's state and of the wrapper, by the tensors' own sizes (``total`` where the parameters are really
-    stored in bf16 or fp16; more where a format is simulated in float32).
-
-    Example:
-        >>> w = torch.nn.Parameter(torch.ones(10))
-        >>> opt = torch.optim.AdamW([w]); w.grad = torch.ones(10); opt.step()
-        >>> bytes_per_parameter(opt)["total"]   # 4 (float32) + 2 x 4 (Adam's two moments)
-        12.0
-    """
-    wrapper = optimizer if isinstance(optimizer, LowPrecisionOptimizer) else None
-    inner = wrapper.optimizer if wrapper is not None else optimizer
-    width = lambda fmt, t: fmt.bits / 8 if fmt is not None else t.element_size()   # noqa: E731
-    totals, count, held = {"weights": 0.0, "master": 0.0, "state": 0.0, "compensation": 0.0}, 0, 0
-    for p in (p for group in inner.param_groups for p in group["params"]):
-        n, remedy = p.numel(), wrapper.remedy_of(p) if wrapper is not None else None
-        count += n
-        held += n * p.element_size() + sum(v.numel() * v.element_size() for v in inner.state.get(p, {}).values()
-                                           if torch.is_tensor(v))
-        totals["weights"] += n * width(wrapper.fmt if remedy else None, p)
-        totals["master"] += n * {"master": 4, "remainder": 2}.get(remedy, 0)
-        if remedy == "kahan":
-            totals["compensation"] += n * (wrapper.compensation_format.bits / 8 if wrapper.compensation_format
-                                           else wrapper.buffer_dtype(p).itemsize)
-        state_format = wrapper.state_format if remedy else None
-        totals["state"] += n * sum(width(state_format, v) for v in _elementwise_state(inner, p))
-    out = {k: v / max(count, 1) for k, v in totals.items()}
-    out["total"] = sum(out.values())
-    out["held"] = (held + (wrapper.held_bytes() if wrapper is not None else 0)) / max(count, 1)
-    return out
-
-
-def _elementwise_state(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> list:
-    """The optimizer's per-element state tensors of ``p`` (Adam's moments, momentum)."""
-    return [optimizer.state[p][k] for k in storage.elementwise_keys(optimizer.state.get(p, {}), p)]
+__all__ = ["LowPrecisionOptimizer", "select_params", "PARAM_SELECTIONS", "COMPENSATIONS"]
 
 
 def _packable(t: torch.Tensor) -> bool:
@@ -80,8 +39,8 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
     ``params`` at their defaults), found by name in ``model`` or, without it, by its recorded position and shape.
 
     ``param_groups``, ``defaults`` and ``state`` are the inner optimizer's (the same objects), so LR schedulers and
-    ``zero_grad`` act on it; hooks registered on this optimizer run around its :meth:`step`, :meth:`state_dict` and
-    :meth:`load_state_dict`, those on the inner one once per step. A closure given to :meth:`step` is evaluated first,
+    ``zero_grad`` act on it; hooks registered on this optimizer run around its :meth:`step` and :meth:`state_dict`, its
+    ``load_state_dict`` hooks are the inner one's, and the inner one's step hooks run once per step. A closure given to :meth:`step` is evaluated first,
     on the stored weights. :meth:`state_dict` holds the wrapper's own state too (Kahan buffers, master copies, the
     generator's): a wrapper loaded from it takes the same steps. Each parameter keeps its own storage unless
     ``pack=True``: then the small float32 ones rounded together live in one flat buffer per run, rounded in one call,
@@ -255,7 +214,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
                 self._store(members, self.fmt, rounding, working)
         state_format = self.state_format or (self.fmt if working else None)   # stored: as torch keeps it, on the grid
         if state_format is not None:
-            self._store([v for p in self.lowprec_params if p in only for v in _elementwise_state(self.optimizer, p)],
+            self._store([v for p in self.lowprec_params if p in only for v in storage.elementwise_state(self.optimizer, p)],
                         state_format, self.state_rounding, working)
 
     def _kahan(self, params: list, buffers: list) -> None:
@@ -347,14 +306,27 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
             "generator_state": gen.get_state() if isinstance(gen, torch.Generator) else None}
         return state
 
+    def register_load_state_dict_pre_hook(self, hook, prepend: bool = False):
+        """Registered on the inner optimizer, whose ``load_state_dict`` runs it (with the whole dict, ``"lowprec"``
+        included, which torch leaves alone)."""
+        return self.optimizer.register_load_state_dict_pre_hook(hook, prepend)
+
+    def register_load_state_dict_post_hook(self, hook, prepend: bool = False):
+        """Registered on the inner optimizer, run once this wrapper's own state is restored."""
+        return self.optimizer.register_load_state_dict_post_hook(hook, prepend)
+
     def load_state_dict(self, state_dict: dict) -> None:
-        """Restore a state dict written by :meth:`state_dict` (or a plain inner-optimizer one)."""
-        for hook in self._optimizer_load_state_dict_pre_hooks.values():
-            returned = hook(self, state_dict)
-            state_dict = state_dict if returned is None else returned
-        state_dict = dict(state_dict)
-        extra = state_dict.pop("lowprec", None)
-        self.optimizer.load_state_dict(state_dict)
+        """Restore a state dict written by :meth:`state_dict` (or a plain inner-optimizer one), through the inner
+        optimizer's ``load_state_dict`` and its hooks; then the wrapper's own state, before their post hooks."""
+        final = {}      # the dict the pre hooks leave (this one runs after them)
+        take = self.optimizer.register_load_state_dict_pre_hook(lambda _, sd: final.update(sd))
+        restore = self.optimizer.register_load_state_dict_post_hook(lambda _: self._restore(final), prepend=True)
+        try:
+            self.optimizer.load_state_dict(state_dict)
+        finally:
+            take.remove(), restore.remove()
+
+    def _restore(self, state_dict: dict) -> None:
         self.param_groups, self.state = self.optimizer.param_groups, self.optimizer.state
         _, order, _ = self._param_index()
         for i, saved in state_dict.get("state", {}).items():    # torch casts the state to the parameter's dtype
@@ -363,10 +335,8 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
                 st = self.optimizer.state[p]
                 st.update({k: saved[k].to(device=p.device, dtype=self.state_dtype(p)).clone()
                            for k in storage.elementwise_keys(st, p)})
-        if extra is not None:
-            self._load_lowprec(extra)
-        for hook in self._optimizer_load_state_dict_post_hooks.values():
-            hook(self)
+        if state_dict.get("lowprec") is not None:
+            self._load_lowprec(state_dict["lowprec"])
 
     def _load_lowprec(self, extra: dict) -> None:
         saved = extra["format"]

@@ -35,7 +35,7 @@ import torch
 
 from lowprec_demo.formats import FloatFormat
 
-__all__ = ["STORED_DTYPES", "is_stored", "storage_dtype", "elementwise_keys", "open_step", "close_step",
+__all__ = ["STORED_DTYPES", "is_stored", "storage_dtype", "elementwise_keys", "elementwise_state", "open_step", "close_step",
            "split_remainder", "join_remainder", "check_feedback", "feed_back"]
 
 STORED_DTYPES = (torch.bfloat16, torch.float16)
@@ -58,6 +58,11 @@ def storage_dtype(fmt: Optional[FloatFormat], default: torch.dtype) -> torch.dty
 def elementwise_keys(state: dict, p: torch.Tensor) -> list:
     """The keys of ``p``'s optimizer state that hold one value per element (Adam's moments, momentum)."""
     return [k for k, v in state.items() if torch.is_tensor(v) and v.is_floating_point() and v.shape == p.shape]
+
+
+def elementwise_state(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> list:
+    """The optimizer's per-element state tensors of ``p`` (Adam's moments, momentum)."""
+    return [optimizer.state[p][k] for k in elementwise_keys(optimizer.state.get(p, {}), p)]
 
 
 class Opened(NamedTuple):
