@@ -224,7 +224,7 @@ def test_parameters_keep_their_storage_unless_packing_is_asked():
     opt = LowPrecisionOptimizer(torch.optim.SGD(params, lr=0.3), "bf16")
     _rounded_sgd_run(model, range(4), opt)
     _rounded_sgd_run(reference, range(4))
-    assert _storages(params) == home and len(home) == 4 and opt.held_bytes() == 0 and not opt.packs.plans
+    assert _storages(params) == home and len(home) == 4 and opt.held_bytes() == 0 and not opt.packs.kept
     assert all(torch.equal(p.view(torch.int32), q.view(torch.int32)) for p, q in zip(params, reference.parameters()))
 
 

@@ -261,7 +261,7 @@ def test_no_working_copy_outlives_its_step():
         torch.Tensor.float = real_float
     gc.collect()
     assert made and all(ref() is None for ref in made)
-    assert all(not plan for plan in opt.packs.plans.values()) and opt.held_bytes() == 0
+    assert all(not plan for plan in opt.packs.kept.values()) and opt.held_bytes() == 0
 
 
 def test_a_closure_comes_first_on_the_stored_weights_and_inner_hooks_run_once():

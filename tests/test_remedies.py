@@ -11,7 +11,7 @@ import lowprec_demo as lp
 from lowprec_demo.optim.plan import FreezePlan
 from lowprec_demo.book.config import VARIANTS
 from lowprec_demo.book.experiments import run_experiment
-from lowprec_demo.optim.optimizer import LowPrecisionOptimizer, bytes_per_parameter
+from lowprec_demo.optim import LowPrecisionOptimizer, bytes_per_parameter
 from lowprec_demo.book.remedies import REMEDIES, compare_remedies, floor_ratio
 from lowprec_demo.book.results import TrainResult
 from lowprec_demo.book.training import variant_wrapper

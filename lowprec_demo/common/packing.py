@@ -125,26 +125,26 @@ def _movable(tensors: Sequence[torch.Tensor], homes: Sequence[torch.Tensor], ado
 
 
 class PackCache:
-    """The packs an owner keeps: ``plans`` (:meth:`plan`, by the ids of the tensors they hold) and
+    """The packs an owner keeps: ``kept`` (:meth:`packs_for`, by the ids of the tensors they hold) and
     ``adopted`` (weak: tensor -> the data pointer of its place in a pack), which :meth:`Pack.flat`
-    takes. A new plan drops the kept plans that share a tensor with it."""
+    takes. New packs drop the kept ones that share a tensor with them."""
 
     def __init__(self) -> None:
-        self.plans: dict = {}
+        self.kept: dict = {}
         self.adopted = WeakIdKeyDictionary()
 
-    def plan(self, tensors: Sequence[torch.Tensor], packable: Callable[[torch.Tensor], bool]) -> list:
+    def packs_for(self, tensors: Sequence[torch.Tensor], packable: Callable[[torch.Tensor], bool]) -> list:
         """``(members, pack)`` for each of :func:`runs`: a tensor not ``packable`` alone (no pack), then the packs."""
         key = tuple(map(id, tensors))
-        if key not in self.plans:
-            for old in [k for k in self.plans if not set(key).isdisjoint(k)]:
-                del self.plans[old]
-            if len(self.plans) >= 8:
-                self.plans.clear()
-            self.plans[key] = [(members, Pack(members) if packable(members[0]) else None)
-                               for members in runs(tensors, packable)]
-        return self.plans[key]
+        if key not in self.kept:
+            for old in [k for k in self.kept if not set(key).isdisjoint(k)]:
+                del self.kept[old]
+            if len(self.kept) >= 8:
+                self.kept.clear()
+            self.kept[key] = [(members, Pack(members) if packable(members[0]) else None)
+                              for members in runs(tensors, packable)]
+        return self.kept[key]
 
     def held_bytes(self) -> int:
         """The memory of the kept packs (none for a pack whose tensors live in it)."""
-        return sum(pack.held_bytes(members) for plan in self.plans.values() for members, pack in plan if pack)
+        return sum(pack.held_bytes(members) for kept in self.kept.values() for members, pack in kept if pack)

@@ -93,6 +93,7 @@ class FreezeTracker:
                             for f in self.formats}
         self._source = tensors
         self._layout: Optional[tuple] = None
+        self._shapes: tuple = (None, {})    # (the layout, its shape by name)
         self.names: List[str] = []          # the tensors followed (those with elements), in order
         self.sizes: Dict[str, int] = {}     # every tracked tensor's elements, empty ones included
         self.sample: Union[Sample, ShardedSample, None] = None
@@ -195,7 +196,9 @@ class FreezeTracker:
         return self._name(self._stored_in[name]) if self._stored_in else next(iter(self.records))
 
     def _shape(self, name: str) -> tuple:
-        return next(shape for n, shape, _, _ in self._layout if n == name)
+        if self._shapes[0] is not self._layout:
+            self._shapes = (self._layout, {n: shape for n, shape, _, _ in self._layout})
+        return self._shapes[1][name]
 
     def count_predicted(self, names: List[str], sample, old, new, formats: Optional[Sequence[FloatFormat]] = None,
                         records: Optional[Dict[str, FreezeRecord]] = None, grad: Optional[torch.Tensor] = None,
@@ -248,12 +251,18 @@ class FreezeTracker:
 
     def _per_tensor(self, names, sample, old, new) -> None:
         """Prediction's element-by-element work: the masks (with ``keep_masks``)."""
+        if not (self.keep_masks or self._needs_pairs()):
+            return
         pairs = [(n, o.view(self._shape(n)), v.view(self._shape(n)))
                  for n, o, v in zip(names, old.split(sample.counts), new.split(sample.counts))]
         if self.keep_masks:
             self.masks = {f.name: {n: would_freeze(quantize(o, f), v - o, f) for n, o, v in pairs}
                           for f in self.formats}
         self._pairs_seen(pairs)
+
+    def _needs_pairs(self) -> bool:
+        """Whether :meth:`_pairs_seen` wants this step's pairs."""
+        return False
 
     def _pairs_seen(self, pairs) -> None:
         """What a configuration adds from each step's ``(name, old, new)`` (nothing here)."""
@@ -303,6 +312,9 @@ class FreezePredictor(FreezeTracker):
             self._fit_seen += 1
             if self._fit_seen == self.fit_steps:
                 self._stored0 = {}
+
+    def _needs_pairs(self) -> bool:
+        return self._fit_seen < self.fit_steps
 
     def _pairs_seen(self, pairs) -> None:
         """The fit: each update of the first :attr:`fit_steps` steps in gaps of the initial stored value."""

@@ -7,7 +7,7 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from lowprec_demo.common.packing import PackCache, group, runs
+from lowprec_demo.common.packing import PackCache, copy_into, group, runs
 from lowprec_demo.common.sharding import any_sharded, flat_offset, local_part
 from lowprec_demo.formats import FloatFormat, check_overflow_policy, get_format
 from lowprec_demo.optim import storage
@@ -115,19 +115,25 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
 
     def _store(self, tensors: list, fmt: FloatFormat, rounding: str, working: bool = False) -> None:
         """``t.copy_(quantize(t, ...))`` per tensor, one SR seed per run of :func:`~lowprec_demo.common.packing.runs`,
-        each element drawing by its index in its run (an FSDP2 piece by its place in the whole tensor); with
-        ``pack=True`` a run of small float32 tensors (not working copies) rounded in one call in their pack's buffer."""
+        each element drawing by its index in its run (an FSDP2 piece by its place in the whole tensor). A run of small
+        float32 tensors is rounded in one call: on a temporary concatenation, or with ``pack=True`` (not for working
+        copies) in their pack's buffer, where they then live."""
         policy = self.overflow if fmt is self.fmt else fmt.overflow
         if self.pack and not working and not any_sharded(tensors):
-            plan = self.packs.plan(tensors, _packable)
+            layout = self.packs.packs_for(tensors, _packable)
         else:
-            plan = [(members, None) for members in runs(tensors, _packable)]
-        for members, pack in plan:
+            layout = [(members, None) for members in runs(tensors, _packable)]
+        for members, pack in layout:
             seed = draw_seed(self.generator) if rounding == "stochastic" else None
             if pack is not None:
                 quantize_(pack.flat(members, self.packs.adopted), fmt, rounding, generator=seed,
                           rand_bits=self.rand_bits, overflow=policy)
                 pack.put_back(members)      # (nothing to do while they live in the pack)
+                continue
+            if len(members) > 1 and _packable(members[0]) and not any_sharded(members):
+                flat = torch.cat([t.reshape(-1) for t in members])
+                quantize_(flat, fmt, rounding, generator=seed, rand_bits=self.rand_bits, overflow=policy)
+                copy_into(members, [v.view_as(t) for v, t in zip(flat.split([t.numel() for t in members]), members)])
                 continue
             start = 0
             for t in members:

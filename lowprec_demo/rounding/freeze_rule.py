@@ -22,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple, Optional, Union
 
@@ -61,6 +62,7 @@ class RuleParams(NamedTuple):
         return cls(*[p[i] for i in range(len(cls._fields))])
 
 
+@functools.lru_cache(maxsize=256)
 def rule_params(fmt: FloatFormat, rand_bits: Optional[int] = None, layout: BitLayout = _F32,
                 overflow: Optional[str] = None) -> RuleParams:
     """The rule's parameters for k = ``rand_bits`` random bits (None: full resolution) and the policy ``overflow``
@@ -229,8 +231,11 @@ def bin_thresholds(log_lr: Optional[torch.Tensor] = None, device=None) -> torch.
         >>> bin_thresholds()[:3].tolist(), bin_thresholds(torch.tensor([-0.5, -3.0])).shape
         ([0.0, 1.0, 1.0905076265335083], torch.Size([2, 9]))
     """
-    if log_lr is None:
-        log_lr = torch.zeros((), device=device)
+    if log_lr is None:    # no shift: the same thresholds every step, made once per device
+        key = str(torch.device("cpu") if device is None else torch.device(device))
+        if key not in _UNSHIFTED:
+            _UNSHIFTED[key] = bin_thresholds(torch.zeros((), device=device))
+        return _UNSHIFTED[key]
     if log_lr.dim() and log_lr.numel() == 1:    # one tensor's rate: one row for all (a row per tensor of one
         log_lr = log_lr.reshape(())             # would compile a kernel version of its own)
     eighths = log_lr.double() * PER_OCTAVE                  # (a float32 times 8: exact)
@@ -241,6 +246,9 @@ def bin_thresholds(log_lr: Optional[torch.Tensor] = None, device=None) -> torch.
     t = exact.float()
     t = torch.where(t.double() > exact, torch.nextafter(t, torch.zeros_like(t)), t)   # rounded down
     return torch.cat([a.float().unsqueeze(-1), t], -1)
+
+
+_UNSHIFTED: dict = {}
 
 
 def element_codes(frozen: torch.Tensor, ratio: torch.Tensor, flag, tensor_id, bins: torch.Tensor) -> torch.Tensor:
