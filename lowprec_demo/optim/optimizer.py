@@ -208,7 +208,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
             self.prepare_buffers()
             buffers = [local_part(self._compensation_buffers[p]) for p in kahan]
             work = [b.float() for b in buffers] if working else buffers    # (a bf16 buffer of bf16 storage)
-            self._kahan([local_part(p) for p in kahan], work)
+            self._kahan([local_part(p) for p in kahan], work, working)
             if working:
                 torch._foreach_copy_(buffers, work)
         if feedback := with_("feedback"):
@@ -223,16 +223,15 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
             self._store([v for p in self.lowprec_params if p in only for v in storage.elementwise_state(self.optimizer, p)],
                         state_format, self.state_rounding, working)
 
-    def _kahan(self, params: list, buffers: list) -> None:
+    def _kahan(self, params: list, buffers: list, working: bool) -> None:
         """Kahan compensation in place: each buffer takes ``p + buf`` (the target), ``p`` the target rounded (the
-        stored weight), the buffer the residual (exact), on its own grid if any."""
+        stored weight), the buffer the residual (exact), on its own grid if any (small tensors a run in one call)."""
         torch._foreach_add_(buffers, params)
         torch._foreach_copy_(params, buffers)
-        for p in params:
-            quantize_(p, self.fmt, overflow=self.overflow)
+        self._store(params, self.fmt, "nearest", working)
         torch._foreach_sub_(buffers, params)
-        for b in buffers if self.compensation_format is not None else ():
-            quantize_(b, self.compensation_format)
+        if self.compensation_format is not None:
+            self._store(buffers, self.compensation_format, "nearest", True)
 
     def prepare_buffers(self) -> None:
         """Make the Kahan compensation buffers (zeros) that the first step would make."""
