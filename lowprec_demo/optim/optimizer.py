@@ -39,12 +39,12 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
     ``params`` at their defaults), found by name in ``model`` or, without it, by its recorded position and shape.
 
     ``param_groups``, ``defaults`` and ``state`` are the inner optimizer's (the same objects), so LR schedulers and
-    ``zero_grad`` act on it; hooks registered on this optimizer run around its :meth:`step` and :meth:`state_dict`, its
-    ``load_state_dict`` hooks are the inner one's, and the inner one's step hooks run once per step. A closure given to :meth:`step` is evaluated first,
-    on the stored weights. :meth:`state_dict` holds the wrapper's own state too (Kahan buffers, master copies, the
-    generator's): a wrapper loaded from it takes the same steps. Each parameter keeps its own storage unless
-    ``pack=True``: then the small float32 ones rounded together live in one flat buffer per run, rounded in one call,
-    to the same bits (:mod:`lowprec_demo.common.packing`). FSDP2's sharded parameters store the bits one process
+    ``zero_grad`` act on it; hooks registered on this optimizer run around its :meth:`step` and :meth:`state_dict`; its
+    ``load_state_dict`` hooks are the inner one's, whose step hooks run once per step. A closure given to :meth:`step`
+    is evaluated first, on the stored weights. :meth:`state_dict` holds the wrapper's own state too (Kahan buffers,
+    master copies, the generator's): a wrapper loaded from it takes the same steps. Each parameter keeps its own storage
+    unless ``pack=True``: then the small float32 ones rounded together live in one flat buffer per run, rounded in one
+    call, to the same bits (:mod:`lowprec_demo.common.packing`). FSDP2's sharded parameters store the bits one process
     would (:mod:`lowprec_demo.common.sharding`)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, fmt: Union[str, FloatFormat], rounding: str = "nearest",
@@ -80,6 +80,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         if self.params_with("feedback"):
             storage.check_feedback(optimizer)
         self.pack, self.packs = pack, PackCache()    # with pack=True: the buffers the small tensors live in
+        self._runs_of: dict = {}
         self._opened: dict = {}     # during a step: the parameters stored in bf16/fp16, with float32 working copies
         self._stored = [p for p in self.lowprec_params if storage.is_stored(p)]
         if round_initial:
@@ -122,7 +123,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         if self.pack and not working and not any_sharded(tensors):
             layout = self.packs.packs_for(tensors, _packable)
         else:
-            layout = [(members, None) for members in runs(tensors, _packable)]
+            layout = self._runs(tensors) if not working else [(members, None) for members in runs(tensors, _packable)]
         for members, pack in layout:
             seed = draw_seed(self.generator) if rounding == "stochastic" else None
             if pack is not None:
@@ -141,6 +142,16 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
                     quantize_(local_part(t), fmt, rounding, generator=seed, rand_bits=self.rand_bits, overflow=policy,
                               index_offset=start + flat_offset(t))
                 start += t.numel()
+
+    def _runs(self, tensors: list) -> list:
+        """``(members, None)`` per :func:`~lowprec_demo.common.packing.runs` of ``tensors``, kept by their ids and
+        sizes for the next call with the same tensors (parameters and state; forgotten when a state dict is loaded)."""
+        key = tuple((id(t), t.numel(), t.dtype) for t in tensors)
+        if key not in self._runs_of:
+            if len(self._runs_of) >= 16:
+                self._runs_of.clear()
+            self._runs_of[key] = [(members, None) for members in runs(tensors, _packable)]
+        return self._runs_of[key]
 
     @torch.no_grad()
     def round_params(self, rounding: str = "nearest") -> None:
@@ -220,8 +231,8 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
                 self._store(members, self.fmt, rounding, working)
         state_format = self.state_format or (self.fmt if working else None)   # stored: as torch keeps it, on the grid
         if state_format is not None:
-            self._store([v for p in self.lowprec_params if p in only for v in storage.elementwise_state(self.optimizer, p)],
-                        state_format, self.state_rounding, working)
+            state = [v for p in self.lowprec_params if p in only for v in storage.elementwise_state(self.optimizer, p)]
+            self._store(state, state_format, self.state_rounding, working)
 
     def _kahan(self, params: list, buffers: list, working: bool) -> None:
         """Kahan compensation in place: each buffer takes ``p + buf`` (the target), ``p`` the target rounded (the
@@ -333,6 +344,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
 
     def _restore(self, state_dict: dict) -> None:
         self.param_groups, self.state = self.optimizer.param_groups, self.optimizer.state
+        self._runs_of.clear()
         _, order, _ = self._param_index()
         for i, saved in state_dict.get("state", {}).items():    # torch casts the state to the parameter's dtype
             p = order[int(i)]
