@@ -93,7 +93,7 @@ if [ $run_chapters = 1 ]; then
     echo "== ${#notebooks[@]} chapter(s) verified with nbval, longest first (LOWPREC_SCALE=$LOWPREC_SCALE) [$(elapsed)]"
     chapter_workers=("${workers[@]}")
     [ ${#notebooks[@]} -gt 1 ] || chapter_workers=()
-    python -m pytest "${chapter_workers[@]}" -p no:randomly --nbval --nbval-current-env --nbval-cell-timeout=600 \
+    python -m pytest "${chapter_workers[@]}" -p no:randomly --nbval --nbval-current-env --nbval-cell-timeout=1200 \
         -p no:cacheprovider "${notebooks[@]}" || status=1
 fi
 if [ $status -ne 0 ]; then
