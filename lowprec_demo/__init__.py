@@ -36,7 +36,7 @@ _API = {
     "move_probability": "rounding",
     "LowPrecisionOptimizer": "optim", "bytes_per_parameter": "optim", "FreezePlan": "optim", "load_plan": "optim",
     "watch": "monitor", "FreezeWatch": "monitor", "load_watch": "monitor", "attach_plan": "monitor",
-    "hf_callback": "monitor", "lightning_callback": "monitor",
+    "hf_callback": "monitor", "lightning_callback": "monitor", "preflight": "monitor.preflight",
 }
 _SUBPACKAGES = ("formats", "rounding", "optim", "freeze", "monitor", "book", "common", "version")
 
