@@ -540,7 +540,7 @@ def test_mnist_offline_subset():
     both = torch.cat([mnist.x_train, mnist.x_test]).flatten(1) * 255
     assert np.allclose(np.sort(both.sum(1).numpy()), np.sort(pixels.sum(1)), rtol=1e-6)
     again = load_mnist(prefer_full=False)
-    assert "prefer_full=False" in again.source
+    assert "chosen over full MNIST" in again.source
     assert torch.equal(again.x_train, mnist.x_train) and torch.equal(again.y_test, mnist.y_test)
 
 

@@ -128,7 +128,8 @@ def test_stored_results_load_when_present(tmp_path, monkeypatch):
     loaded = load_result("nanogpt_bf16_full")
     assert loaded is not None and loaded.runs["nearest"].loss == r.runs["nearest"].loss
     assert list(stored_results("nanogpt")) == ["nanogpt_bf16_full"]
-    assert "commit" in describe(loaded) and "20 steps" in describe(loaded)
+    assert "commit" not in describe(loaded) and "20 steps" in describe(loaded)
+    assert "git_commit" in loaded.provenance
 
 
 def test_offline_without_shakespeare_falls_back_and_says_so(monkeypatch):

@@ -200,6 +200,19 @@ def test_a_widget_may_show_more_than_was_stored_but_not_other_things():
     assert output_compare.compare_outputs([widget], [other]) != []
 
 
+def test_a_progress_bar_is_neither_compared_nor_a_slider():
+    def bar(text, model="a"):
+        return {"output_type": "display_data", "metadata": {},
+                "data": {"application/vnd.jupyter.widget-view+json": {"model_id": model}, "text/plain": text}}
+    started, done = bar("seeds:   0%|          | 0/3 [00:00<?, ?it/s]"), bar("seeds: 100%|#| 3/3 [01:41<00:00, 32.88s/it]")
+    slider = bar("interactive(children=(IntSlider(value=7),))")
+    assert output_compare.is_progress_bar(started) and output_compare.is_progress_bar(done)
+    assert not output_compare.is_progress_bar(slider) and not output_compare.is_progress_bar(stream("0/3 [00:00]\n"))
+    assert output_compare.compare_outputs([started, stream("a\n")], [stream("a\n")]) == []
+    assert output_compare.compare_outputs([stream("a\n")], [done, stream("a\n")]) == []
+    assert output_compare.compare_outputs([slider, stream("a\n")], [stream("a\n")]) != []
+
+
 def test_notebook_differences_name_the_code_cell():
     a = notebook(code("print(1)", 1, [stream("1\n")]), code("print(2)", 2, [stream("2\n")]))
     b = json.loads(json.dumps(a))

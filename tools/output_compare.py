@@ -16,7 +16,7 @@ What is compared, per cell, after streams are joined (``\\r`` and ``\\b`` applie
 
 Masked before comparing (:data:`MASKS`): wall-clock timings ("in 90 s", tqdm's "[00:03<00:00,
 1.2it/s]"), object addresses (``0x7f...``), the random ids of an animation's HTML, and a commit
-hash after the word "commit". Widget views (``application/vnd.jupyter.widget-view+json``) carry
+hash after the word "commit". tqdm's progress bars (:func:`is_progress_bar`) are left out. Widget views (``application/vnd.jupyter.widget-view+json``) carry
 random model ids only and are not compared; their ``text/plain`` is.
 """
 
@@ -49,6 +49,16 @@ _NUMBER = re.compile(r"(?<![\w.])[-+]?(?:\d+(?:,\d{3})+|\d+\.?\d*|\.\d+)(?:[eE][
 _FRAMES = MASKS[0][1]
 _CARRIAGE_RETURN = re.compile(r"^.*\r(?=[^\n])", re.MULTILINE)
 _BACKSPACE = re.compile("[^\n]\x08")
+
+
+def is_progress_bar(output: Mapping) -> bool:
+    """Whether an output is a tqdm progress bar (a widget view whose text is the bar): what it shows depends on when
+    the page was stored (0 % or 100 %), so it is neither stored nor compared."""
+    data = output.get("data") or {}
+    text = data.get("text/plain", "")
+    text = text if isinstance(text, str) else "".join(text)
+    return NOT_COMPARED[0] in data and bool(text) and MASKS[1][1].sub("", text).strip(" :\n").count("\n") == 0 \
+        and MASKS[1][1].search(text) is not None
 
 
 def mask(text: str) -> str:
@@ -165,7 +175,7 @@ def compare_outputs(stored: Iterable[Mapping], computed: Iterable[Mapping], imag
     ``images``: "drawn" (each stored figure drawn again) or "bytes" (the same bytes)."""
     if images not in ("drawn", "bytes"):
         raise ValueError(f"images is 'drawn' or 'bytes', not {images!r}")
-    stored, computed = list(stored), list(computed)
+    stored, computed = ([o for o in outputs if not is_progress_bar(o)] for outputs in (stored, computed))
     old, new = seen_outputs(stored), seen_outputs(computed)
     differences = []
     widget = any(NOT_COMPARED[0] in (output.get("data") or {}) for output in stored)

