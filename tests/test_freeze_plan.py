@@ -326,8 +326,8 @@ def _on_grid(model, plan):
 
 def test_hugging_face_callback_plans_after_k_steps(tmp_path, hf):
     from lowprec_demo.monitor.integrations import hf_callback
-    with pytest.raises(ValueError, match="plan_after is a number of optimizer steps"):
-        hf_callback(plan_after=0)
+    with pytest.raises(ValueError, match="plan_after is a number of optimizer steps >= 0"):
+        hf_callback(plan_after=-1)
     callback = hf_callback(formats=("bf16",), plan_after=4)
     trainer = hf.trainer(tmp_path, callback, steps=12, samples=48, logging_steps=4)
     trainer.train()
@@ -335,7 +335,7 @@ def test_hugging_face_callback_plans_after_k_steps(tmp_path, hf):
     plan = callback.plan
     assert plan is not None and plan.step == 3 and plan.total_steps == 12
     assert load_plan(tmp_path / "freeze_plan.json") == plan
-    assert lp.load_watch(tmp_path / "freeze_watch.json").data["steps"] == [0, 1, 2, 3]   # the watch ends there
+    assert lp.load_watch(tmp_path / "freeze_watch.json").data["steps"] == list(range(12))   # watched through the plan
     assert _on_grid(model, plan)          # eight steps stored with the plan
     named = dict(model.named_parameters())
     assert all(callback.plan_optimizer.remedy_of(named[n]) == r for n, r in plan.remedies.items())

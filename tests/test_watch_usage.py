@@ -40,7 +40,7 @@ def test_plan_options_fail_when_the_callback_is_made():
     with pytest.raises(ValueError, match="valid names"):
         hf_callback(plan_after=5, plan_format="bf17")
     with pytest.raises(ValueError, match="plan_after"):
-        hf_callback(plan_after=0)
+        hf_callback(plan_after=-1)
 
 
 def test_hf_plan_after_on_bf16_weights_under_an_unread_optimizer_fails_before_the_first_step(tmp_path, hf):

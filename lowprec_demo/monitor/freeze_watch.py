@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import sys
 import warnings
+import weakref
 from typing import Dict, List, Optional, Sequence
 
 import torch
@@ -53,7 +54,7 @@ from lowprec_demo.optim.optimizer import LowPrecisionOptimizer
 from lowprec_demo.optim.plan import CLASSIC_REMEDIES, FreezePlan
 from lowprec_demo.rounding import freeze_rule, round_to_grid
 
-__all__ = ["watch", "FreezeWatch"]
+__all__ = ["watch", "FreezeWatch", "check_watch_options"]
 
 
 def _check_count(value, message: str, none: bool = False, bools: bool = False) -> None:
@@ -88,6 +89,28 @@ def _compile_up_front(old: torch.Tensor, formats: Sequence[FloatFormat], steps_l
     return True
 
 
+def check_watch_options(formats: Sequence = ("bf16",), every: int = 1, threshold: float = 0.5,
+                        total_steps: Optional[int] = None, patience: int = 10, save_every: int = 100, writer=None,
+                        sample: Optional[int] = 1 << 14, progress: bool = False) -> List[FloatFormat]:
+    """Check :func:`watch`'s options without a model (what a trainer callback does when it is made): one ValueError or
+    TypeError naming the value given and the ones allowed; returns the formats."""
+    _check_count(every, f"every must be a whole number of steps >= 1, got {every!r}")
+    if not isinstance(threshold, (int, float)) or not 0.0 < threshold <= 1.0:
+        raise ValueError(f"threshold must be in (0, 1], got {threshold!r}")
+    _check_count(sample, f"sample must be a whole number of elements per tensor >= 1, or None (all), got "
+                         f"{sample!r}", none=True)
+    _check_count(patience, f"patience must be a whole number of watched steps >= 1, got {patience!r}", bools=True)
+    _check_count(save_every, f"save_every must be a whole number of watched steps >= 1, got {save_every!r}")
+    _check_count(total_steps, f"total_steps must be the run's length, a whole number of optimizer steps >= 1, or "
+                              f"None; got {total_steps!r}", none=True)
+    if writer is not None and not callable(getattr(writer, "add_scalar", None)):
+        raise TypeError(f"writer must be a TensorBoard SummaryWriter (anything with add_scalar), got "
+                        f"{type(writer).__name__}")
+    single = isinstance(formats, (str, FloatFormat, torch.dtype))
+    given = [watch_format(f) for f in ([formats] if single else formats)]   # a ValueError names them
+    return given
+
+
 class FreezeWatch:
     """What :func:`watch` returns (the arguments are its own): the hooks, the measurements and the answers. ``mode``
     is ``"predict"`` or ``"observe"``, ``formats`` the records' format names, ``steps`` the optimizer step of every
@@ -104,23 +127,14 @@ class FreezeWatch:
                  progress: bool = False, sample: Optional[int] = 1 << 14) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        _check_count(every, f"every must be a whole number of steps >= 1, got {every!r}")
-        if not isinstance(threshold, (int, float)) or not 0.0 < threshold <= 1.0:
-            raise ValueError(f"threshold must be in (0, 1], got {threshold!r}")
-        _check_count(sample, f"sample must be a whole number of elements per tensor >= 1, or None (all), got "
-                             f"{sample!r}", none=True)
-        _check_count(patience, f"patience must be a whole number of watched steps >= 1, got {patience!r}", bools=True)
-        _check_count(save_every, f"save_every must be a whole number of watched steps >= 1, got {save_every!r}")
-        _check_count(total_steps, f"total_steps must be the run's length, a whole number of optimizer steps >= 1, or "
-                                  f"None; got {total_steps!r}", none=True)
-        if writer is not None and not callable(getattr(writer, "add_scalar", None)):
-            raise TypeError(f"writer must be a TensorBoard SummaryWriter (anything with add_scalar), got "
-                            f"{type(writer).__name__}")
-        single = isinstance(formats, (str, FloatFormat, torch.dtype))
-        given = [watch_format(f) for f in ([formats] if single else formats)]   # a ValueError names them
+        given = check_watch_options(formats, every, threshold, total_steps, patience, save_every, writer, sample)
         self.optimizer = _inner(optimizer)
         if not isinstance(self.optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        other = getattr(self.optimizer, "_freeze_watch", lambda: None)()
+        if other is not None and other._handles and other.optimizer is self.optimizer:
+            raise ValueError(f"this {type(self.optimizer).__name__} has a freeze watch attached already: use that one "
+                             f"(formats=... covers several formats) or detach() it first")
         check_schedule(scheduler)
         self.scheduler = unwrap_scheduler(scheduler)
         self.every, self.threshold, self.patience = every, float(threshold), patience
@@ -188,6 +202,7 @@ class FreezeWatch:
             if progress else None
         self._handles = [self.optimizer.register_step_pre_hook(self.before_step),
                          self.optimizer.register_step_post_hook(self.after_step)]
+        self.optimizer._freeze_watch = weakref.ref(self)     # (one watch per optimizer)
 
     @torch.no_grad()
     def before_step(self, optimizer=None, args=(), kwargs=None) -> None:

@@ -1,170 +1,217 @@
-"""The freeze watch in a Hugging Face Trainer (:func:`hf_callback`) and in Lightning (:func:`lightning_callback`): the
-callback attaches :func:`lowprec_demo.watch` (``callback.watch``) to the trainer's model, optimizer, scheduler and run
-length when training starts, logs each format's frozen fraction (``frozen_bf16``), and detaches at the end, saving
-the report (``freeze_watch.json`` in the output or log folder). With ``plan_after=k`` it makes a
-:class:`~lowprec_demo.optim.plan.FreezePlan` after k steps (``plan_format``, ``plan_budget`` extra bytes per
-parameter), saves it (``freeze_plan.json``), applies it with :func:`attach_plan` (``callback.plan``,
-``callback.plan_optimizer``) and stops watching; a plan that could not be made raises ValueError when training starts.
-Both use the trainers' public callback hooks only; how the values reach the logs is told at each callback.
+"""The freeze watch and its fix in a Hugging Face Trainer (:func:`hf_callback`) and in Lightning
+(:func:`lightning_callback`), and a plan applied to an optimizer that a loop steps itself (:func:`attach_plan`).
+
+The callback attaches :func:`lowprec_demo.watch` (``callback.watch``) to the trainer's model, optimizer, scheduler and
+run length when training starts, logs each format's frozen fraction (``frozen_bf16``) at every step, and saves the
+report at the end (``freeze_watch.json`` in the output or log folder, with the plan applied). ``plan_after`` applies a
+:class:`~lowprec_demo.optim.plan.FreezePlan` (``callback.plan``, saved to ``freeze_plan.json``; applied by
+:func:`attach_plan`: ``callback.plan_optimizer``):
+
+* ``plan_after=0``, the one to use: before the first step the callback runs :func:`lowprec_demo.preflight` on the
+  trainer's model, optimizer, scheduler and run length (its probe steps on a copy; ``callback.preflight`` holds the
+  report, whose verdict it prints) and applies its plan from step 0. The loss of the probe's batches comes from the
+  trainer's train data loader (a fresh iterator; the torch random state is put back after it) or from
+  ``preflight_loss(model)``.
+* ``plan_after=k``: the watch's own plan after k watched steps. It comes late: the steps at the peak learning rate are
+  the ones lost. On the bf16 fine-tune benchmark (``benchmarks/cpu-2026-12-05-finetune-bf16.md``, 300 steps of AdamW)
+  the plan made at step 30 closed 97 % of plain bf16's gap to float32, the same plan from step 0 99 %; on a tiny
+  Llama fine-tuned 200 steps (issue 51) a plan at step 50 closed 72-75 % at lr 1e-4 and 55-56 % at lr 1e-5, one from
+  step 0 about 100 %.
+
+After the plan the watch goes on (observation of the stored weights: it sees them before the plan's pre hook opens
+them and after its post hook stores them), so the logged ``frozen_<fmt>`` shows the fix. Checkpoints carry the
+plan's state (Kahan buffers, master copies, remainders, the SR generator, the plan): the Hugging Face callback writes
+``lowprec_state.pt`` into each ``checkpoint-<step>`` folder and reads it back on resume; Lightning's callback has it
+in its ``state_dict``. A resumed run takes the same steps, to the bit, as an unbroken one; resuming without that state
+warns. Bad options raise when the callback is made, a ``plan_after`` not before the run's end when training starts.
+Both use the trainers' public callback hooks only.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Optional
+import warnings
+from typing import Callable, Optional
 
 import torch
 
-from lowprec_demo.optim.plan import FreezePlan
+from lowprec_demo.optim.plan import FreezePlan, load_plan
 from lowprec_demo.optim.optimizer import LowPrecisionOptimizer
-from lowprec_demo.rounding import GeneratorLike
-from lowprec_demo.monitor.freeze_watch import watch
+from lowprec_demo.monitor.freeze_watch import check_watch_options, watch
+from lowprec_demo.monitor.plan_hooks import AttachedPlan, attach_plan      # noqa: F401 (here as before)
 from lowprec_demo.monitor.report import watch_format
 
 __all__ = ["attach_plan", "hf_callback", "lightning_callback"]
 
-
-class AttachedPlan(LowPrecisionOptimizer):
-    """A :class:`LowPrecisionOptimizer` that applies a plan around the steps of the optimizer it wraps, which a training
-    loop keeps stepping itself, through that optimizer's step hooks (made by :func:`attach_plan`; do not step this one
-    as well): :meth:`before_inner_step` before the update (after the closure, for a step given one), and
-    :meth:`after_inner_step` after it. :meth:`detach_plan` removes the hooks."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer, plan: FreezePlan, model: Optional[torch.nn.Module] = None,
-                 generator: GeneratorLike = None) -> None:
-        super().__init__(optimizer, plan.format if isinstance(plan, FreezePlan) else "bf16", generator=generator,
-                         plan=plan, model=model)
-        self.hooks = [optimizer.register_step_pre_hook(self._before), optimizer.register_step_post_hook(self._after)]
-
-    def _before(self, opt, args, kwargs):
-        closure = args[1] if len(args) > 1 else kwargs.get("closure")     # (args: the optimizer, then step's own)
-        if closure is None:
-            with torch.no_grad():
-                self.before_inner_step()
-            return None
-
-        def closure_first():      # the loop's closure (forward, backward) on the stored weights, then the opening
-            loss = closure()
-            with torch.no_grad():
-                self.before_inner_step()
-            return loss
-        if len(args) > 1:
-            return (args[0], closure_first, *args[2:]), kwargs
-        return args, {**kwargs, "closure": closure_first}
-
-    @torch.no_grad()
-    def _after(self, opt, args, kwargs) -> None:
-        self.after_inner_step()
-
-    def detach_plan(self) -> None:
-        """Remove the hooks: the optimizer's steps store the parameters as it computes them."""
-        for handle in self.hooks:
-            handle.remove()
-        self.hooks.clear()
-
-
-def attach_plan(optimizer: torch.optim.Optimizer, plan: FreezePlan, model: Optional[torch.nn.Module] = None,
-                generator: GeneratorLike = None) -> AttachedPlan:
-    """Apply ``plan`` to an optimizer that a training loop keeps stepping itself (a Trainer's):
-    the tensors it names are rounded onto the plan's grid now, and from then on every ``optimizer.step()`` stores them
-    with their remedies, through the optimizer's step hooks. Returns the :class:`AttachedPlan` (a
-    :class:`LowPrecisionOptimizer`) that does it (for :func:`~lowprec_demo.optim.memory.bytes_per_parameter` and
-    ``state_dict``; do not step it as well); its ``detach_plan()`` removes the hooks. Other step hooks on the optimizer
-    run in the order registered: from the plan's pre hook to its post hook, parameters stored in bf16 or fp16 are
-    float32 working copies and master weights are in place (a hook registered before the plan sees the stored weights
-    before the step, one registered after it sees them after).
-
-    Example:
-        >>> from lowprec_demo.optim.plan import FreezePlan
-        >>> lin = torch.nn.Linear(2, 1)
-        >>> opt = torch.optim.SGD(lin.parameters(), lr=1e-3)
-        >>> lp_opt = attach_plan(opt, FreezePlan("bf16", {"weight": "master", "bias": "nearest"}), model=lin)
-        >>> lp_opt.remedy_of(lin.weight)
-        'master'
-        >>> lp_opt.detach_plan()
-    """
-    if isinstance(optimizer, LowPrecisionOptimizer):
-        raise TypeError("attach_plan takes the plain optimizer the loop steps; this one is a LowPrecisionOptimizer "
-                        "already")
-    return AttachedPlan(optimizer, plan, model, generator)
+STATE_FILE = "lowprec_state.pt"       # the plan's state in a Hugging Face checkpoint folder
+WATCH_OPTIONS = ("formats", "every", "threshold", "patience", "save_every", "writer", "progress", "sample")
 
 
 class _Watching:
-    """What both callbacks share: the watch, where its report goes, and the plan made after ``plan_after`` steps (plan,
-    save, apply, stop watching). The plan's options are checked when the callback is made, and against the run
-    (:meth:`_start`) before the first step."""
+    """What both callbacks share: the watch, where its report goes, the plan (from the preflight, or the watch's after
+    ``plan_after`` steps; saved, applied, watched through), and the plan's state in checkpoints. Options are checked
+    when the callback is made, and against the run (:meth:`_start`) before the first step."""
 
-    watch = target = plan = plan_optimizer = None
+    watch = target = plan = plan_optimizer = preflight = plan_file = None
 
-    def __init__(self, path, plan_after, plan_format, plan_budget, plan_path, watch_options: dict) -> None:
+    def __init__(self, path, plan_after, plan_format, plan_budget, plan_path, preflight_loss, watch_options) -> None:
         if plan_after is not None and (isinstance(plan_after, bool) or not isinstance(plan_after, int)
-                                       or plan_after < 1):
-            raise ValueError(f"plan_after is a number of optimizer steps >= 1 (or None: no plan), got {plan_after!r}")
+                                       or plan_after < 0):
+            raise ValueError(f"plan_after is a number of optimizer steps >= 0 (0: the preflight's plan from the first "
+                             f"step; None: no plan), got {plan_after!r}")
         if isinstance(plan_budget, bool) or not isinstance(plan_budget, (int, float)) or plan_budget < 0:
             raise ValueError(f"plan_budget is extra bytes per parameter, >= 0; got {plan_budget!r}")
         if plan_format is not None:
             plan_format = watch_format(plan_format).name   # a ValueError names the valid formats
+        if preflight_loss is not None and not callable(preflight_loss):
+            raise TypeError(f"preflight_loss must be a callable loss(model) -> the loss of the next batch, or None "
+                            f"(the trainer's data); got {type(preflight_loss).__name__}")
+        if unknown := sorted(set(watch_options) - set(WATCH_OPTIONS)):
+            raise TypeError(f"unknown watch option{'s' * (len(unknown) > 1)} {', '.join(unknown)}: the callback takes "
+                            f"{', '.join(WATCH_OPTIONS)} (the trainer gives the model, optimizer, scheduler and run "
+                            f"length; path= is the callback's own)")
+        check_watch_options(**watch_options)      # one line naming the bad value
         self.path, self.plan_after, self.plan_format, self.plan_budget = path, plan_after, plan_format, plan_budget
-        self.plan_path, self.watch_options = plan_path, watch_options
+        self.plan_path, self.preflight_loss, self.watch_options = plan_path, preflight_loss, watch_options
 
-    def _start(self, model, optimizer, scheduler, total_steps, folder) -> None:
+    def _start(self, model, optimizer, scheduler, total_steps, folder, resumed: int, saved, trainer_loss) -> None:
+        """The watch, checked against the run; then, resuming at step ``resumed`` > 0, the plan ``saved`` with a
+        checkpoint (its state), or with ``plan_after=0`` the preflight's plan (``trainer_loss()``: the default loss)."""
         self.target = self.path if self.path is not None else os.path.join(folder, "freeze_watch.json")
-        self.watch = watch(model, optimizer, scheduler=scheduler, total_steps=total_steps, path=self.target,
-                           **self.watch_options)
+        self.plan = self.plan_optimizer = self.preflight = None
+        self.watch = w = watch(model, optimizer, scheduler=scheduler, total_steps=total_steps, path=self.target,
+                               **self.watch_options)
         try:
-            self._check(self.watch)
-        except ValueError:
-            self.watch.path = None       # nothing was watched: no report to leave behind
-            self.watch.detach()
+            self._check(w)
+            w._step = resumed            # its steps numbered as the trainer's
+            if saved is not None:
+                self._apply(FreezePlan.from_dict(saved["plan"]), model, saved["lowprec"])
+            elif resumed and self.plan_after is not None and resumed >= self.plan_after:
+                self._missing_state(model, resumed)
+            elif self.plan_after == 0:
+                self._plan_from_preflight(model, self.preflight_loss or trainer_loss())
+        except BaseException:
+            w.path = None       # nothing was watched: no report to leave behind
+            w.detach()
             raise
 
     def _check(self, w) -> None:
-        """Raise ValueError now unless the watch forecasts the plan's format with a run length, and the plan can be
-        attached (a plain torch optimizer; stored in low precision: one whose update the watch reads)."""
+        """Raise ValueError now unless the plan can be made for this run (its format watched, a run length that
+        ``plan_after`` is before; for a plan after k steps, a watch that forecasts) and attached (a plain torch
+        optimizer)."""
         if self.plan_after is None:
             return
         if isinstance(w.optimizer, LowPrecisionOptimizer):
             raise ValueError(f"plan_after={self.plan_after}: the optimizer is a LowPrecisionOptimizer, which keeps the "
                              f"parameters on its grid already; give it the plan itself (plan=watch.plan()). Allowed: "
                              f"a plain torch optimizer")
-        if w.no_forecast:
-            raise ValueError(f"plan_after={self.plan_after}: {w.no_forecast}, or leave plan_after out to watch this "
-                             f"run")
+        if w.total_steps is None:
+            raise ValueError(f"plan_after={self.plan_after}: the plan needs the run's length (its forecast runs to the "
+                             f"end of the run), and the trainer gives none: set a number of steps (max_steps)")
+        if self.plan_after >= w.total_steps:
+            raise ValueError(f"plan_after={self.plan_after} is not before the run's end: the run has {w.total_steps} "
+                             f"optimizer steps (max_steps), so the plan would never act; choose plan_after from 0 "
+                             f"(before the first step, the preflight's plan) to {w.total_steps - 1}")
+        if w.no_forecast and self.plan_after > 0:
+            raise ValueError(f"plan_after={self.plan_after}: {w.no_forecast}, or plan_after=0 (the preflight's plan), "
+                             f"or leave plan_after out to watch this run")
         fmt = self.plan_format if self.plan_format is not None else w.formats[0]
         if fmt not in w.formats:
             what = "predicts; add it to formats=... or choose" if w.mode == "predict" else \
                 "observes, the parameters' storage (cast the model to it to plan for it); choose"
             raise ValueError(f"plan_format={fmt!r} is not one of the formats the watch {what} one of "
                              f"{', '.join(w.formats)}")
-        if w.total_steps is None:
-            raise ValueError(f"plan_after={self.plan_after}: the plan needs the run's length (its forecast runs to the "
-                             f"end of the run), and the trainer gives none: set a number of steps (max_steps)")
+
+    def _plan_from_preflight(self, model, loss) -> None:
+        """:func:`lowprec_demo.preflight` on the trainer's run, its verdict printed, its plan applied before step 0."""
+        from lowprec_demo.monitor.preflight import preflight
+        w = self.watch
+        for handle in w._handles:     # unhooked while the preflight copies the optimizer; the plan hooks it again
+            handle.remove()
+        w._handles = []
+        devices = sorted({p.device.index or 0 for p in w.params.values() if p.is_cuda})
+        with torch.random.fork_rng(devices=devices):      # (the loss draws the trainer loader's shuffle)
+            self.preflight = preflight(model, w.optimizer, w.scheduler, w.total_steps,
+                                       (self.plan_format or w.formats[0],), loss=loss, budget=self.plan_budget)
+        print(self.preflight, flush=True)
+        self._apply(self.preflight.plan, model)
+
+    def _apply(self, plan: FreezePlan, model, state: Optional[dict] = None) -> None:
+        """Save ``plan`` beside the report and attach it (with the remedies' ``state`` from a checkpoint), the watch
+        hooked around it."""
+        self.plan = plan
+        self.plan_file = self.plan_path if self.plan_path is not None else \
+            os.path.join(os.path.dirname(os.path.abspath(self.target)), "freeze_plan.json")
+        plan.save(self.plan_file)
+        # the torch optimizer the watch found inside the trainer's wrapper (accelerate's, Lightning's); stochastic
+        # rounding from a generator of its own, seeded by the process's torch seed (drawing nothing from torch's) and
+        # kept in checkpoints, so that a resumed run draws the same bits whatever the trainer restores
+        self.plan_optimizer = attach_plan(self.watch.optimizer, plan, model=model, watch=self.watch,
+                                          generator=torch.initial_seed())
+        if state is not None:
+            self.plan_optimizer._load_lowprec(state)
+
+    def _missing_state(self, model, resumed: int) -> None:
+        """Resumed past the plan without its state: say so, then go on with the saved plan, fresh remedies' state."""
+        saved = self.plan_path if self.plan_path is not None else \
+            os.path.join(os.path.dirname(os.path.abspath(self.target)), "freeze_plan.json")
+        then = f"the plan in {saved} is applied again with fresh state" if os.path.exists(saved) else \
+            "a new plan is made after the next step"
+        warnings.warn(f"resuming at step {resumed} without the freeze plan's state ({STATE_FILE} in the checkpoint, or "
+                      f"the callback's checkpoint state): the Kahan buffers, master copies and remainders of the plan "
+                      f"made at step {self.plan_after} are lost, so this run will not take the steps of an unbroken "
+                      f"one; {then}. Resume from a checkpoint saved with this callback", UserWarning, stacklevel=3)
+        if os.path.exists(saved):
+            self._apply(load_plan(saved), model)
 
     def _step_done(self, steps: int, model) -> None:
         w = self.watch
         if self.plan_after is None or self.plan is not None or w is None or steps < self.plan_after:
             return
-        self.plan = w.plan(self.plan_format, budget=self.plan_budget)
-        self.plan.save(self.plan_path if self.plan_path is not None else
-                       os.path.join(os.path.dirname(os.path.abspath(self.target)), "freeze_plan.json"))
-        # the torch optimizer the watch found inside the trainer's wrapper (accelerate's, Lightning's)
-        self.plan_optimizer = attach_plan(w.optimizer, self.plan, model=model)
-        w.save(self.target)
-        w.detach()
-        self.watch = None
+        self._apply(w.plan(self.plan_format, budget=self.plan_budget), model)
+        self._save()
+
+    def _save(self) -> None:
+        """The report with the plan, to its path; a failure is a warning (the watch's), not the end of the run."""
+        w = self.watch
+        if w.path is not None and w.steps:
+            try:
+                w.save(w.path, plan=self.plan)
+            except OSError as error:
+                warnings.warn(f"{error}; training goes on: call callback.watch.save(other_path) to keep the report",
+                              RuntimeWarning, stacklevel=2)
+
+    def _checkpoint_state(self) -> Optional[dict]:
+        """What a checkpoint needs to go on with the plan: the plan and its optimizer's own state (None: no plan)."""
+        if self.plan_optimizer is None:
+            return None
+        return {"kind": "lowprec_demo.plan_state", "plan": self.plan.to_dict(),
+                "lowprec": self.plan_optimizer.state_dict()["lowprec"]}
 
     def _values(self) -> dict:
         w = self.watch
         return {f"frozen_{f}": w.records[f].overall[-1] for f in w.formats} if w is not None and w.steps else {}
 
     def _end(self) -> None:
-        if self.watch is not None:
-            self.watch.detach()
+        w = self.watch
+        if w is not None:
+            path, w.path = w.path, None
+            w.detach()
+            w.path = path
+            self._save()
 
 
-def hf_callback(path=None, plan_after=None, plan_format=None, plan_budget=1.0, plan_path=None, **watch_options):
-    """A ``transformers.TrainerCallback`` with a freeze watch: the report to ``path``, a plan after ``plan_after`` steps
-    in ``plan_format`` (the watch's first) to ``plan_path``; ``watch_options`` to :func:`lowprec_demo.watch`.
+def hf_callback(path=None, plan_after=None, plan_format=None, plan_budget=1.0, plan_path=None, preflight_loss=None,
+                **watch_options):
+    """A ``transformers.TrainerCallback`` with a freeze watch and its fix: the report to ``path``; a plan in
+    ``plan_format`` (the watch's first) to ``plan_path``, from the preflight before the first step with
+    ``plan_after=0`` (the loss of its probe steps ``model(**batch).loss`` on batches of a fresh iterator of the
+    trainer's train data loader, moved to the model's device, or ``preflight_loss(model)``), or the watch's after
+    ``plan_after`` steps (see :mod:`~lowprec_demo.monitor.integrations` for what a late plan costs);
+    ``watch_options`` to :func:`lowprec_demo.watch`. Checkpoints: ``on_save`` writes the plan and its state to
+    ``lowprec_state.pt`` in ``output_dir/checkpoint-<step>`` (a copy of the remedies' buffers: 0-8 bytes per
+    parameter, as the plan's ``bytes_per_parameter``); a resumed run (``state.global_step`` > 0) reads it back and
+    attaches the same plan, or warns when it is missing. The watch starts again at the resumed step.
 
     Give it to the Trainer in one of two ways; at each of the Trainer's logs it adds the values ``frozen_<format>``::
 
@@ -193,11 +240,23 @@ def hf_callback(path=None, plan_after=None, plan_format=None, plan_budget=1.0, p
             trainer.add_callback(self)
             return self
 
-        def on_train_begin(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs):
-            self._start(model, optimizer, lr_scheduler, state.max_steps or None, args.output_dir)
+        def on_train_begin(self, args, state, control, model=None, optimizer=None, lr_scheduler=None,
+                           train_dataloader=None, **kwargs):
+            resumed, saved = state.global_step, None
+            file = os.path.join(args.output_dir, f"checkpoint-{resumed}", STATE_FILE)
+            if resumed and os.path.exists(file):
+                saved = torch.load(file, map_location="cpu", weights_only=True)
+            self._start(model, optimizer, lr_scheduler, state.max_steps or None, args.output_dir, resumed, saved,
+                        lambda: _hf_loss(train_dataloader))
 
         def on_step_end(self, args, state, control, model=None, **kwargs):
             self._step_done(state.global_step, model)
+
+        def on_save(self, args, state, control, **kwargs):
+            data = self._checkpoint_state()
+            folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+            if data is not None and state.is_world_process_zero and os.path.isdir(folder):
+                torch.save(data, os.path.join(folder, STATE_FILE))
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             values = self._values()
@@ -212,15 +271,38 @@ def hf_callback(path=None, plan_after=None, plan_format=None, plan_budget=1.0, p
         def on_train_end(self, args, state, control, **kwargs):
             self._end()
 
-    return FreezeWatchCallback(path, plan_after, plan_format, plan_budget, plan_path, watch_options)
+    return FreezeWatchCallback(path, plan_after, plan_format, plan_budget, plan_path, preflight_loss, watch_options)
+
+
+def _hf_loss(loader) -> Callable:
+    """``model(**batch).loss`` on the batches of a fresh iterator of the trainer's train data loader (accelerate's
+    plain loader behind it: the trainer's own iteration state is left alone), moved to the model's device."""
+    if loader is None:
+        raise ValueError("plan_after=0: the trainer gave no train data loader for the preflight's probe steps; pass "
+                         "preflight_loss=lambda model: ... (the loss of the next batch)")
+    loader = getattr(loader, "base_dataloader", loader)
+    batches = None      # (iterated at the first call: within the preflight, whose random state is put back)
+
+    def loss(model):
+        nonlocal batches
+        batch = next(batches, None) if batches is not None else None
+        if batch is None:
+            batches = iter(loader)
+            batch = next(batches)
+        device = next(model.parameters()).device
+        return model(**{k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}).loss
+    return loss
 
 
 def lightning_callback(path=None, plan_after=None, plan_format=None, plan_budget=1.0, plan_path=None,
-                       **watch_options):
+                       preflight_loss=None, **watch_options):
     """A Lightning ``Callback`` (``lightning`` or ``pytorch_lightning``) running a freeze watch over ``trainer.fit`` on
     the first optimizer and its scheduler, in any place of ``Trainer(callbacks=[...])``; options as for
-    :func:`hf_callback`. After each training batch it logs ``frozen_<format>`` through ``pl_module.log_dict`` (to the
-    trainer's logger, at that step)."""
+    :func:`hf_callback`. With ``plan_after=0`` the preflight's loss is the module's ``training_step`` on its copy
+    (``log``/``log_dict`` silenced, in the trainer's precision context) over a fresh iterator of the trainer's train
+    data loader, or ``preflight_loss(model)`` (needed where ``training_step`` uses the trainer). After each training
+    batch it logs ``frozen_<format>`` through ``pl_module.log_dict`` (to the trainer's logger, at that step). The plan
+    and its state are in the callback's ``state_dict`` (so in every checkpoint) and attached again on resume."""
     try:
         import lightning.pytorch as pl
     except ImportError:
@@ -233,6 +315,14 @@ def lightning_callback(path=None, plan_after=None, plan_format=None, plan_budget
     class FreezeWatchCallback(_Watching, pl.Callback):
         """The freeze watch over a Lightning run (see :func:`lightning_callback`)."""
 
+        _saved = None      # the plan's state from a checkpoint (load_state_dict), until training starts
+
+        def state_dict(self) -> dict:
+            return self._checkpoint_state() or {}
+
+        def load_state_dict(self, state_dict: dict) -> None:
+            self._saved = state_dict or None
+
         def on_train_start(self, trainer, pl_module):
             if not trainer.optimizers:
                 raise ValueError("the freeze watch needs an optimizer: the LightningModule configured none")
@@ -240,7 +330,9 @@ def lightning_callback(path=None, plan_after=None, plan_format=None, plan_budget
             scheduler = configs[0].scheduler if configs and configs[0].interval == "step" else None
             total = trainer.estimated_stepping_batches
             total = int(total) if total is not None and total != float("inf") else None
-            self._start(pl_module, trainer.optimizers[0], scheduler, total, trainer.log_dir or os.getcwd())
+            saved, self._saved = self._saved, None
+            self._start(pl_module, trainer.optimizers[0], scheduler, total, trainer.log_dir or os.getcwd(),
+                        trainer.global_step, saved, lambda: _lightning_loss(trainer))
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             self._step_done(trainer.global_step, pl_module)
@@ -251,4 +343,28 @@ def lightning_callback(path=None, plan_after=None, plan_format=None, plan_budget
         def on_train_end(self, trainer, pl_module):
             self._end()
 
-    return FreezeWatchCallback(path, plan_after, plan_format, plan_budget, plan_path, watch_options)
+    return FreezeWatchCallback(path, plan_after, plan_format, plan_budget, plan_path, preflight_loss, watch_options)
+
+
+def _lightning_loss(trainer) -> Callable:
+    """The module's ``training_step`` on the copy it is given, over a fresh iterator of the train data loader."""
+    loader = trainer.train_dataloader
+    if not isinstance(loader, torch.utils.data.DataLoader):
+        raise ValueError(f"plan_after=0: the trainer's train data is a {type(loader).__name__}, not one DataLoader; "
+                         f"pass preflight_loss=lambda model: ... (the loss of the next batch)")
+    batches, index = None, 0      # (iterated at the first call: within the preflight, whose random state is put back)
+    silent = lambda *args, **kwargs: None       # noqa: E731
+
+    def loss(module):
+        nonlocal batches, index
+        batch = next(batches, None) if batches is not None else None
+        if batch is None:
+            batches = iter(loader)
+            batch = next(batches)
+        module.log, module.log_dict = silent, silent
+        batch = trainer.strategy.batch_to_device(batch, next(module.parameters()).device)
+        with trainer.precision_plugin.train_step_context():
+            out = module.training_step(batch, index)
+        index += 1
+        return out["loss"] if isinstance(out, dict) else out
+    return loss

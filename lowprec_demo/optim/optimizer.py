@@ -3,6 +3,7 @@ described in :mod:`lowprec_demo.optim`, with an example."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable, Optional, Union
 
 import torch
@@ -354,6 +355,10 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
                            for k in storage.elementwise_keys(st, p)})
         if state_dict.get("lowprec") is not None:
             self._load_lowprec(state_dict["lowprec"])
+        elif state_dict.get("state") and (lost := [r for r in ("master", "remainder", "kahan") if self.params_with(r)]
+                                          + ["SR generator"] * bool(self.generator and self.params_with("stochastic"))):
+            warnings.warn(f"load_state_dict: no 'lowprec' part (only the inner optimizer's): the {', '.join(lost)} "
+                          f"state is not the saved run's, nor its steps; load this optimizer's state_dict()", None, 4)
 
     def _load_lowprec(self, extra: dict) -> None:
         saved = extra["format"]
