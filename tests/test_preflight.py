@@ -126,7 +126,7 @@ def test_needs_a_remedy_when_updates_are_far_below_half_a_gap():
     assert pf.bytes_per_parameter["extra"] == 0.0
     assert [n for n, r in pf.plan.remedies.items() if r == "stochastic"] == ["0.weight", "1.weight", "2.weight",
                                                                             "2.bias"]
-    assert pf.by_tensor["1.bias"]["frozen_share"] < CUTOFF     # LayerNorm's bias starts at 0: the finest gaps
+    assert pf.by_tensor["1.bias"]["frozen_share"] < 0.45     # LayerNorm's bias starts at 0: the finest gaps
     assert str(pf).splitlines()[0].startswith("preflight for bf16: the run needs a remedy: ")
 
 
@@ -146,7 +146,7 @@ def test_no_remedy_at_a_large_rate_in_bf16():
     model = tiny_model().to(torch.bfloat16)
     opt = torch.optim.Adam(model.parameters(), lr=0.05)
     pf = lp.preflight(model, opt, total_steps=100, loss=_loss())
-    assert not pf.needs_remedy and pf.frozen_share < CUTOFF / 2
+    assert not pf.needs_remedy and pf.frozen_share < 0.25
 
 
 def test_format_from_storage_and_fp8_plan():

@@ -15,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 import time
@@ -174,10 +175,12 @@ def held_bytes(model: torch.nn.Module, *optimizers) -> float:
 
 
 def finetune(variant, seed: int = 0, lr: float = 5e-5, steps: Optional[int] = None, quick: bool = True,
-             watch: Optional[dict] = None, pretrain_seed: int = 0) -> dict:
+             watch: Optional[dict] = None, pretrain_seed: int = 0, before_run: Optional[Callable] = None) -> dict:
     """Fine-tune a copy of :func:`pretrained` stored as ``variant`` (a name of :data:`VARIANTS`, or a Variant) says,
     for ``steps`` (the mode's default) with peak ``lr``: 5 % warmup, cosine to 0. ``watch``: options of
-    :func:`lowprec_demo.watch` to watch the whole run (``result["watch"]``). Returns ``final_loss``, ``start_loss``
+    :func:`lowprec_demo.watch` to watch the whole run (``result["watch"]``). ``before_run(model, optimizer,
+    scheduler, loss)`` is called before the first step (``loss(m)``: the loss on ``m`` of the run's next batch, from
+    its first; what :func:`lowprec_demo.preflight` takes). Returns ``final_loss``, ``start_loss``
     (the float32 model's), ``losses`` (per step), ``bytes_per_parameter_held`` (:func:`held_bytes`),
     ``bytes_per_parameter`` (the package's count), ``step_ms`` (median), ``model``, ``optimizer``, ``plan`` and
     ``step`` (one more step, for timing)."""
@@ -201,6 +204,9 @@ def finetune(variant, seed: int = 0, lr: float = 5e-5, steps: Optional[int] = No
         planner = lp.watch(model, opt, formats=("bf16",), scheduler=sched, total_steps=steps) if plan_at else None
         plan = attached = None
         batches, losses, times = data.batches(seed), [], []
+        if before_run is not None:
+            at = itertools.count()
+            before_run(model, opt, sched, lambda m: m(*batches.get_batch(next(at)))[1])
         start = time.perf_counter()
         for i, loss in train_steps(model, opt, steps, batches.get_batch, lambda b: model(*b)[1], sched):
             times.append(time.perf_counter() - start)      # the step and the scheduler's, not the bookkeeping
