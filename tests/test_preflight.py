@@ -2,6 +2,7 @@
 state left as they were; its verdict on runs that clearly need a remedy and clearly do not; bad input."""
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -55,6 +56,21 @@ def test_contract():
     assert sorted(pf.curve) == list(range(100))      # measured probe steps, then the forecast to the run's end
     # the plan goes onto the user's optimizer, by name or by position
     lp.LowPrecisionOptimizer(opt, "bf16", plan=pf.plan, model=model)
+
+
+def test_summary_lists_the_tensors_that_need_something():
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(8)]).to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    x = torch.randn(8, 4)
+    pf = lp.preflight(model, opt, total_steps=30, probe_steps=3,
+                      loss=lambda m: m(x.to(torch.float32)).pow(2).mean())
+    lines = str(pf).splitlines()
+    assert lines[0].startswith("preflight for bf16: the run needs a remedy: ") and "bytes per parameter" in lines[0]
+    assert lines[1].startswith("  stochastic rounding from step 0, 0 bytes more")
+    fixes = [n for n, r in pf.plan.remedies.items() if r != "nearest"]
+    assert len(fixes) > 12 and lines[2].startswith(f"  {fixes[0]} (16): stochastic, +0 bytes each: ")
+    assert lines[-1] == f"  and {len(fixes) - 12} more tensors (by_tensor, or plan.summary(), lists them all)"
+    assert len(lines) == 15 and pf.summary(show=False) == str(pf)
 
 
 def test_probe_steps_bounded_by_the_run():
@@ -169,6 +185,20 @@ def test_format_of_a_low_precision_optimizer():
     pf = lp.preflight(model, lpo, total_steps=40, probe_steps=2, loss=_loss())
     assert pf.format == "e5m2"
     assert _same(_state(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)), before)
+
+
+def test_a_scheduler_on_the_wrapper():
+    """A scheduler built on a LowPrecisionOptimizer: the copies step the wrapped optimizer, no scheduler warning."""
+    model = tiny_model().to(torch.bfloat16)
+    lpo = lp.LowPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-4), "bf16", rounding="stochastic",
+                                   generator=0)
+    sched = torch.optim.lr_scheduler.LambdaLR(lpo, lambda t: 1 - t / 50)
+    before = [p.detach().clone() for p in model.parameters()]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pf = lp.preflight(model, lpo, sched, 50, loss=_loss())
+    assert pf.needs_remedy and sched.last_epoch == 0 and lpo.param_groups[0]["lr"] == 1e-4
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
 @pytest.mark.parametrize("kwargs, error, words", [

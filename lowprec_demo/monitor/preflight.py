@@ -56,6 +56,7 @@ __all__ = ["preflight", "Preflight", "CUTOFF", "PROBE_STEPS"]
 
 CUTOFF = 0.45         # needs_remedy: the run's predicted frozen share at least this (the module docstring)
 PROBE_STEPS = 20      # probe steps by default, at most the run's length
+SHOWN = 12            # tensors listed by summary() at most
 
 
 @dataclass
@@ -89,9 +90,11 @@ class Preflight:
             lines.append("  stochastic rounding from step 0, 0 bytes more: 99-100 % of plain bf16's gap to float32 "
                          "closed in benchmarks/cpu-2026-12-05-finetune-bf16.md")
         fixes = [(n, t) for n, t in self.by_tensor.items() if t["remedy"] != "nearest"]
-        for n, t in fixes:
+        for n, t in fixes[:SHOWN]:
             extra = self.plan.extra_bytes(t["remedy"])
             lines.append(f"  {n} ({t['size']:,}): {t['remedy']}, +{extra:g} bytes each: {t['why']}")
+        if len(fixes) > SHOWN:
+            lines.append(f"  and {len(fixes) - SHOWN} more tensors (by_tensor, or plan.summary(), lists them all)")
         if not fixes:
             lines.append("  every tensor: round to nearest")
         text = "\n".join(lines)
