@@ -18,6 +18,10 @@ REMEDIES = {"0.weight": "kahan", "1.weight": "master", "1.bias": "remainder", "2
             "2.bias": "nearest"}
 
 
+def _bits(t):
+    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
 class Observer:
     """Counts, step by step, the share of the stored elements a step left bit for bit the same (what the watch's
     observation should log), from hooks of its own: a snapshot before, a comparison after."""
@@ -29,8 +33,7 @@ class Observer:
         self._before = [p.detach().clone() for p in self.params]
 
     def after(self):
-        same = sum(int((p.detach().view(torch.int16) == b.view(torch.int16)).sum())
-                   for p, b in zip(self.params, self._before))
+        same = sum(int((_bits(p.detach()) == _bits(b)).sum()) for p, b in zip(self.params, self._before))
         self.shares.append(same / sum(p.numel() for p in self.params))
 
 
@@ -159,10 +162,10 @@ class RandomState:
         self.states, self.before, self.after = {}, At("before"), At("after")
 
 
-@pytest.mark.parametrize("plan_after", [0, 3])
-def test_hf_plan_then_watch_logs_what_the_stored_bits_do(tmp_path, hf, plan_after):
+@pytest.mark.parametrize("plan_after, dtype", [(0, torch.bfloat16), (3, torch.bfloat16), (0, torch.float32)])
+def test_hf_plan_then_watch_logs_what_the_stored_bits_do(tmp_path, hf, plan_after, dtype):
     callback = hf_callback(plan_after=plan_after, sample=None)
-    trainer = hf.trainer(tmp_path, callback, dtype=torch.bfloat16, steps=8, samples=32, lr=1e-4, logging_steps=1)
+    trainer = hf.trainer(tmp_path, callback, dtype=dtype, steps=8, samples=32, lr=1e-4, logging_steps=1)
     counts, rng = _observer_callback(hf), RandomState(hf)
     trainer.add_callback(counts)
     trainer.callback_handler.callbacks.insert(trainer.callback_handler.callbacks.index(callback), rng.before)
@@ -196,6 +199,10 @@ def _hf_resume_pair(tmp_path, hf, plan_after, drop_state=False):
     return callback, resumed_cb, dict(unbroken.model.named_parameters()), dict(resumed.model.named_parameters())
 
 
+def _differ(a, b):
+    return [n for n in a if not torch.equal(_bits(a[n]), _bits(b[n]))]
+
+
 @pytest.mark.parametrize("plan_after", [0, 2])
 def test_hf_resumed_run_ends_with_the_bits_of_an_unbroken_one(tmp_path, hf, plan_after):
     callback, resumed_cb, a, b = _hf_resume_pair(tmp_path, hf, plan_after)
@@ -203,8 +210,7 @@ def test_hf_resumed_run_ends_with_the_bits_of_an_unbroken_one(tmp_path, hf, plan
     stateful = {r for r in callback.plan.remedies.values()} - {"nearest"}
     assert stateful, callback.plan.remedies
     assert all(p.dtype == torch.bfloat16 for p in b.values())
-    differ = [n for n in a if not torch.equal(a[n].view(torch.int16), b[n].view(torch.int16))]
-    assert differ == []
+    assert _differ(a, b) == []
     assert resumed_cb.watch.steps == [4, 5, 6, 7]
 
 
@@ -213,7 +219,7 @@ def test_hf_resume_without_the_plans_state_warns(tmp_path, hf):
         callback, resumed_cb, a, b = _hf_resume_pair(tmp_path, hf, 2, drop_state=True)
     assert resumed_cb.plan == callback.plan        # the saved plan again, with fresh state: other bits
     assert {"master", "kahan"} & set(callback.plan.remedies.values()), callback.plan.remedies
-    assert [n for n in a if not torch.equal(a[n].view(torch.int16), b[n].view(torch.int16))] != []
+    assert _differ(a, b) != []
 
 
 # ---- Lightning ------------------------------------------------------------------------------------------------------
@@ -231,25 +237,102 @@ def _lightning_fit(lightning, callback, steps, tmp_path, ckpt=None, save_at=None
     module = lightning.module(tiny_model().to(torch.bfloat16),
                               lambda net, x: torch.nn.functional.cross_entropy(net(x).float(), (x + 1) % 12), adamw)
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.cat(batches(4))), batch_size=16)
+    counts = LightningCounts(pl)
     saver = [] if save_at is None else [pl.callbacks.ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=save_at,
                                                                     save_top_k=-1, filename="{step}")]
     trainer = pl.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=bool(saver),
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[callback, *saver],
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[callback, counts, *saver],
                          default_root_dir=tmp_path)
     trainer.fit(module, data, ckpt_path=ckpt)
-    return module
+    return module, counts.seen.shares
+
+
+def LightningCounts(pl):
+    class Counts(pl.Callback):
+        seen = None
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if self.seen is None:
+                self.seen = Observer(pl_module.parameters())
+            self.seen.before()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.seen.after()
+    return Counts()
 
 
 def test_lightning_plan_after_0_and_resume_to_the_same_bits(tmp_path, lightning):
     from lowprec_demo.monitor.integrations import lightning_callback
     callback = lightning_callback(path=tmp_path / "w.json", plan_after=0, sample=None)
-    unbroken = _lightning_fit(lightning, callback, 8, tmp_path / "a", save_at=4)
+    unbroken, shares = _lightning_fit(lightning, callback, 8, tmp_path / "a", save_at=4)
     assert callback.preflight is not None and callback.plan.step == 0
     assert callback.watch.steps == list(range(8))
+    assert callback.watch.record("bf16").overall == pytest.approx(shares, abs=1e-12)    # the stored bits'
+    assert set(callback.plan.remedies.values()) - {"nearest"}
     resumed_cb = lightning_callback(path=tmp_path / "w2.json", plan_after=0, sample=None)
-    resumed = _lightning_fit(lightning, resumed_cb, 8, tmp_path / "b", ckpt=str(tmp_path / "a" / "step=4.ckpt"))
+    resumed, _ = _lightning_fit(lightning, resumed_cb, 8, tmp_path / "b", ckpt=str(tmp_path / "a" / "step=4.ckpt"))
     assert resumed_cb.plan == callback.plan and resumed_cb.preflight is None
     assert resumed_cb.watch.steps == [4, 5, 6, 7]
     a, b = dict(unbroken.named_parameters()), dict(resumed.named_parameters())
-    assert [n for n in a if not torch.equal(a[n].view(torch.int16), b[n].view(torch.int16))] == []
+    assert _differ(a, b) == []
     assert resumed_cb.watch.record("bf16").overall == callback.watch.record("bf16").overall[4:]
+    # a checkpoint without the callback's state: a warning, the saved plan again with fresh state
+    ckpt = torch.load(tmp_path / "a" / "step=4.ckpt", weights_only=False)
+    ckpt["callbacks"] = {k: v for k, v in ckpt["callbacks"].items() if "FreezeWatch" not in k}
+    torch.save(ckpt, tmp_path / "a" / "bare.ckpt")
+    bare_cb = lightning_callback(path=tmp_path / "w3.json", plan_after=0, plan_path=tmp_path / "a" / "freeze_plan.json")
+    callback.plan.save(tmp_path / "a" / "freeze_plan.json")
+    with pytest.warns(UserWarning, match=r"resuming at step 4 without the freeze plan's state"):
+        _lightning_fit(lightning, bare_cb, 8, tmp_path / "c", ckpt=str(tmp_path / "a" / "bare.ckpt"))
+    assert bare_cb.plan == callback.plan and bare_cb.preflight is None
+
+
+# ---- one run, two trainers: the same values logged ------------------------------------------------------------------
+
+class _Net(torch.nn.Module):
+    """The tiny model with the Hugging Face calling convention: ``net(input_ids=x)["loss"]``."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = tiny_model().to(torch.bfloat16)
+
+    def forward(self, input_ids):
+        loss = torch.nn.functional.cross_entropy(self.net(input_ids).float(), (input_ids + 1) % 12)
+        return {"loss": loss}
+
+
+def test_hf_and_lightning_log_the_same_frozen_shares_for_the_same_run(tmp_path, hf, lightning):
+    import math
+    from lowprec_demo.monitor.integrations import lightning_callback
+    data = torch.cat(batches(4))
+    hf_cb = hf_callback(plan_after=3, sample=None)
+
+    class InOrder(hf.module.Trainer):
+        def _get_train_sampler(self, *args, **kwargs):
+            return torch.utils.data.SequentialSampler(self.train_dataset)
+    args = hf.module.TrainingArguments(output_dir=str(tmp_path / "hf"), max_steps=8, per_device_train_batch_size=16,
+                                       learning_rate=3e-3, lr_scheduler_type="cosine", optim="adamw_torch",
+                                       max_grad_norm=0.0, logging_steps=1, report_to=[], save_strategy="no",
+                                       use_cpu=True, disable_tqdm=True)
+    hf_model = _Net()
+    InOrder(model=hf_model, args=args, train_dataset=[{"input_ids": x} for x in data], callbacks=[hf_cb]).train()
+
+    net = _Net()
+
+    def adamw(parameters):      # the Trainer's groups, in its order: decayed (matrices), then not (norms, biases)
+        named = dict(net.named_parameters())
+        groups = [[named[n] for n in names] for names in (("net.0.weight", "net.2.weight"),
+                                                          ("net.1.weight", "net.1.bias", "net.2.bias"))]
+        opt = torch.optim.AdamW([{"params": g} for g in groups], lr=3e-3, weight_decay=0.0)
+        return lightning.stepwise(opt, torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda s: max(0.0, 0.5 * (1.0 + math.cos(math.pi * float(s) / 8.0)))))
+    module = lightning.module(net, lambda net, x: net(input_ids=x)["loss"], adamw)
+    pl_cb = lightning_callback(path=tmp_path / "pl.json", plan_after=3, sample=None)
+    torch.manual_seed(args.seed)     # the process's seed, as the Trainer set it: the plans' SR generators' seed
+    lightning.trainer(8, pl_cb).fit(module, torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data),
+                                                                         batch_size=16))
+    a, b = dict(hf_model.named_parameters()), dict(module.net.named_parameters())
+    assert {n.removeprefix("net."): r for n, r in pl_cb.plan.remedies.items()} == hf_cb.plan.remedies
+    assert set(hf_cb.plan.remedies.values()) >= {"kahan", "stochastic"}
+    assert _differ(a, b) == []                       # the same run, to the bit
+    assert pl_cb.watch.record("bf16").overall == hf_cb.watch.record("bf16").overall

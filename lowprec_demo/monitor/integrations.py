@@ -19,12 +19,14 @@ report at the end (``freeze_watch.json`` in the output or log folder, with the p
   step 0 about 100 %.
 
 After the plan the watch goes on (observation of the stored weights: it sees them before the plan's pre hook opens
-them and after its post hook stores them), so the logged ``frozen_<fmt>`` shows the fix. Checkpoints carry the
-plan's state (Kahan buffers, master copies, remainders, the SR generator, the plan): the Hugging Face callback writes
-``lowprec_state.pt`` into each ``checkpoint-<step>`` folder and reads it back on resume; Lightning's callback has it
-in its ``state_dict``. A resumed run takes the same steps, to the bit, as an unbroken one; resuming without that state
-warns. Bad options raise when the callback is made, a ``plan_after`` not before the run's end when training starts.
-Both use the trainers' public callback hooks only.
+them and after its post hook stores them), so the logged ``frozen_<fmt>`` shows the fix. The plan's stochastic rounding
+draws from a generator of its own, seeded by ``torch.initial_seed()`` (the trainer's seed; nothing drawn from torch's
+generator). Checkpoints carry the plan's state (Kahan buffers, master copies, remainders, that generator, the plan):
+the Hugging Face callback writes ``lowprec_state.pt`` into each
+``checkpoint-<step>`` folder and reads it back on resume; Lightning's callback has it in its ``state_dict``. A resumed
+run takes the same steps, to the bit, as an unbroken one (the watch starts again at the resumed step); resuming
+without that state warns. Bad options raise when the callback is made, a ``plan_after`` not before the run's end when
+training starts. Both use the trainers' public callback hooks only.
 """
 
 from __future__ import annotations
