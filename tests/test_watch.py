@@ -166,7 +166,7 @@ def test_forecast_refuses_what_it_cannot_know():
     model = tiny_model()
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     w = lp.watch(model, opt)
-    with pytest.raises(ValueError, match="nothing watched yet"):
+    with pytest.raises(ValueError, match=r"no step watched yet: forecast\(\)"):
         w.forecast()
     train(model, opt, 2)
     with pytest.raises(ValueError, match="total_steps"):

@@ -1,9 +1,11 @@
 """The command line: ``python -m lowprec_demo run EXPERIMENT [--format NAME] [--steps N] [--lr LR] [--seed S]
 [--device cpu|cuda|auto] [--scale quick|full] [--out results.json] [--set key=value ...]`` writes the result's JSON
 (:meth:`~lowprec_demo.book.results.TrainResult.to_dict`, atomically); ``list`` names the experiments; ``report
-WATCH.json [--format NAME] [--plot out.png]`` prints a saved freeze watch. ``--set`` sets a TrainConfig field or an
-experiment option, read as its declared type (``--set betas=0.9,0.95``, ``--set bias=false``). Everything that can be
-checked is checked before training: a refused setting or ``--out`` ends the command with exit status 2."""
+WATCH.json [--format NAME] [--plot out.png]`` prints a saved freeze watch (``--plot``'s path checked first), ``report
+PLAN.json`` a saved freeze plan (``plan.save``, ``freeze_plan.json``); ``--version`` the package's version.
+``--set`` sets a TrainConfig field or an experiment option, read as its declared type (``--set betas=0.9,0.95``,
+``--set bias=false``). Everything that can be checked is checked before training: a refused setting or ``--out`` ends
+the command with exit status 2."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ if __name__ == "__main__" and not __package__:   # run as a file: ``torchrun low
     import lowprec_demo.book  # noqa: F401
     __package__ = "lowprec_demo.book"
 
-from lowprec_demo.formats import FORMAT_NAMES
+from lowprec_demo.formats import FORMAT_NAMES, get_format
 from lowprec_demo.book.runtime import DEVICES, SCALES, pick_device
 
 # TrainConfig fields that have a flag of their own: --set may give them too, but not both ways
@@ -168,8 +170,11 @@ def check_out(path: str) -> Path:
 
 def build_parser() -> argparse.ArgumentParser:
     from lowprec_demo.book.experiments import experiment_names
-    parser = argparse.ArgumentParser(prog="python -m lowprec_demo",
-                                     description="Low-precision training experiments: the freeze, predicted and observed.")
+    from lowprec_demo.version import __version__
+    parser = argparse.ArgumentParser(prog="python -m lowprec_demo", description="Low-precision training "
+                                     "experiments: the freeze, predicted and observed.")
+    parser.add_argument("--version", action="version", version=f"lowprec_demo {__version__}",
+                        help="print the package's version and exit")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run an experiment: reference, round-to-nearest and stochastic rounding")
     run.add_argument("experiment", help=f"one of: {', '.join(experiment_names())}")
@@ -196,25 +201,74 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--no-progress", action="store_true", help="no progress bars")
     run.set_defaults(run_parser=run)
     sub.add_parser("list", help="list experiments and formats")
-    report = sub.add_parser("report", help="print the table of a saved freeze watch (watch.save(PATH)), and draw it")
-    report.add_argument("path", help="the JSON file the watch saved")
+    report = sub.add_parser("report", help="print the table of a saved freeze watch (watch.save(PATH)), and draw it; "
+                                           "or of a saved freeze plan (plan.save(PATH), freeze_plan.json)")
+    report.add_argument("path", help="the JSON file the watch (or the plan) saved")
     report.add_argument("--format", dest="fmt", default=None, help="which of its formats (default: the first)")
-    report.add_argument("--plot", default=None, metavar="OUT.png", help="also draw its figure into this image file")
+    report.add_argument("--plot", default=None, metavar="OUT.png",
+                        help="also draw a watch's figure into this image file (its folder must exist)")
     report.set_defaults(report_parser=report)
     return parser
 
 
+def check_plot(path: str) -> None:
+    """Raise SettingError unless ``--plot path`` can be written: an image suffix matplotlib writes, in a folder that
+    exists and takes a new file (checked before anything is printed)."""
+    from matplotlib.backend_bases import FigureCanvasBase
+    out, kinds = Path(path), sorted(FigureCanvasBase.get_supported_filetypes())
+    if out.suffix.lower().lstrip(".") not in kinds:
+        what = (f"the suffix {out.suffix!r} is no image type matplotlib writes" if out.suffix
+                else "no suffix names its type")
+        raise SettingError(f"--plot {path}: {what}; give one of {', '.join('.' + k for k in kinds)}")
+    folder = out.parent
+    if out.is_dir() or not folder.is_dir():
+        what = ("is a folder" if out.is_dir() else f"the folder {folder} does not exist" if not folder.exists()
+                else f"{folder} is a file, not a folder")
+        raise SettingError(f"--plot {path}: cannot write it: {what}; give an image file in an existing folder")
+    try:
+        if out.exists() and not os.access(out, os.W_OK):
+            raise PermissionError(13, "Permission denied")
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as error:
+        raise SettingError(f"--plot {path}: cannot write it in the folder {folder} "
+                           f"({error.strerror or error})") from None
+
+
+def plan_table(plan) -> str:
+    """A saved plan as ``report PLAN.json`` prints it: the bytes, then per tensor its remedy, the extra bytes it
+    stores (elements x the remedy's bytes per element) and why."""
+    b, made = plan.bytes_per_parameter(), "" if plan.step is None else f", made at step {plan.step}"
+    width = max(len("tensor"), *(len(n) for n in plan.remedies))
+    lines = [f"freeze plan for {plan.format}{made}" + (f" of {plan.total_steps}" if plan.total_steps else "")
+             + f": {b['extra']:.3g} bytes per parameter above round to nearest"
+             + (f" (budget {plan.budget:g})" if plan.budget is not None else "") + f", {b['total']:.3g} in all",
+             f"{'tensor':<{width}}  {'elements':>11}  {'remedy':<10}  {'extra bytes':>11}  why"]
+    for n, r in plan.remedies.items():
+        size = plan.sizes.get(n)
+        extra = "-" if size is None else f"{round(size * plan.extra_bytes(r)):,}"
+        lines.append(f"{n:<{width}}  {'-' if size is None else format(size, ','):>11}  {r:<10}  {extra:>11}  "
+                     f"{plan.reasons.get(n, '')}")
+    return "\n".join(lines)
+
+
 def _report(args: argparse.Namespace) -> int:
-    """``report PATH``: a saved watch's table, and with ``--plot`` its figure (exit status 2 and why)."""
+    """``report PATH``: a saved watch's table, and with ``--plot`` its figure; or a saved plan's table (exit status 2
+    and why, before anything is printed)."""
     import json
 
     from lowprec_demo.monitor import WatchReport
+    from lowprec_demo.optim.plan import FreezePlan
     fail = args.report_parser
     if os.path.isdir(args.path):
         return _fail(fail, f"{args.path}: is a directory, not a saved report (give the JSON file watch.save wrote)")
     try:
+        if args.plot:
+            check_plot(args.plot)
         with open(args.path) as f:
             data = json.load(f)
+    except SettingError as exc:
+        return _fail(fail, str(exc))
     except FileNotFoundError:
         return _fail(fail, f"{args.path}: no such file")
     except OSError as exc:
@@ -222,7 +276,21 @@ def _report(args: argparse.Namespace) -> int:
     except ValueError as exc:     # not JSON (or not text)
         return _fail(fail, f"{args.path}: not a JSON file ({exc})")
     try:
-        text = (report := WatchReport(data)).summary(args.fmt, show=False)
+        if isinstance(data, dict) and data.get("kind") == "lowprec_demo.freeze_plan":
+            try:
+                plan = FreezePlan.from_dict(data)
+            except (KeyError, TypeError, AttributeError) as exc:
+                raise ValueError(f"a freeze plan (kind 'lowprec_demo.freeze_plan') that cannot be read: {exc!r} (a "
+                                 f"plan as FreezePlan.save writes it holds format, remedies, reasons, sizes)") from None
+            if args.plot:
+                raise ValueError(f"--plot {args.plot}: a freeze plan has no figure; --plot draws a saved watch's")
+            if args.fmt is not None and get_format(args.fmt).name != plan.format:
+                raise ValueError(f"--format {args.fmt}: this plan is for {plan.format} only")
+            print(plan_table(plan))
+            return 0
+        text = (report := WatchReport(data, args.path)).summary(args.fmt, show=False)
+        if args.plot and not data["steps"]:
+            raise ValueError(f"--plot {args.plot}: no step watched yet, nothing to draw")
     except (ValueError, KeyError, TypeError) as exc:   # not a watch report, or a format it does not hold
         message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         return _fail(fail, f"{args.path}: {message}")

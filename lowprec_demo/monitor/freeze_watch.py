@@ -72,6 +72,15 @@ def _inner(optimizer):
     return optimizer
 
 
+def no_step_yet(watch, what: str) -> None:
+    """Raise ValueError, in one line that says what to do, when ``watch`` has watched no step yet."""
+    if not watch.steps:
+        raise ValueError(f"no step watched yet: {what} reads what the watch measures at the optimizer's steps; call "
+                         f"it after at least one optimizer step (optimizer.step())"
+                         + (", or lp.preflight(model, optimizer, ...) for a plan before the first step"
+                            if what == "plan()" else ""))
+
+
 UNKNOWN_RUN = 1000     # watched steps taken for a run of unknown length, when deciding to compile up front
 
 
@@ -337,6 +346,7 @@ class FreezeWatch:
         """When the model and each tensor will pass the threshold, with a band
         (:func:`lowprec_demo.monitor.forecast.forecast`; ``curves=True`` adds the frozen fraction ahead), computed
         when asked (not in the loop)."""
+        no_step_yet(self, "forecast()")
         return watch_forecast.forecast(self, fmt, threshold, total_steps, curves)
 
     def plan(self, fmt=None, budget: float = 1.0, threshold: Optional[float] = None,
@@ -347,6 +357,7 @@ class FreezeWatch:
 
     def diagnoses(self) -> List[Diagnosis]:
         """What cannot move, and why (:func:`~lowprec_demo.monitor.diagnoses.diagnose`)."""
+        no_step_yet(self, "diagnoses()")
         return diagnose(self)
 
     def report(self) -> WatchReport:
@@ -358,9 +369,10 @@ class FreezeWatch:
         """The report's table (:meth:`WatchReport.summary`), printed unless ``show=False``, and returned."""
         return self.report().summary(None if fmt is None else watch_format(fmt), show=show)
 
-    def save(self, path) -> None:
-        """Write the report to ``path`` as JSON (:func:`lowprec_demo.monitor.report.save_report`)."""
-        save_report(self, path)
+    def save(self, path, plan=None) -> None:
+        """Write the report to ``path`` as JSON (:func:`lowprec_demo.monitor.report.save_report`), with ``plan`` (a
+        FreezePlan or its JSON's path), the plan the run applied, that ``lp.load_watch(path).plan`` gives back."""
+        save_report(self, path, plan)
 
 
 def watch(model: torch.nn.Module, optimizer, formats: Sequence = ("bf16",), scheduler=None, every: int = 1,

@@ -1,11 +1,17 @@
 """The freeze watch's report: JSON-ready data (:func:`report_data`), saved (:func:`save_report`)
 and read back (:func:`load_watch`, ``python -m lowprec_demo report PATH``) as a :class:`WatchReport`,
-whose ``summary()`` and ``plot()`` are those of the live watch.
+whose ``summary()``, ``plot()`` and ``forecast()`` are those of the live watch, and whose ``plan`` is the
+:class:`~lowprec_demo.optim.plan.FreezePlan` the run applied (saved with it, or ``freeze_plan.json`` beside it).
+
+A report carries what the forecast reads (``"forecast_state"``, :mod:`~lowprec_demo.monitor.saved`), so that
+``load_watch(path).forecast(fmt, threshold)`` returns the dict the live watch returned when it was saved; reports saved
+before it still load, and give the forecast they stored, or say why they cannot.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import asdict
 from typing import Dict, List, Optional
 
@@ -14,7 +20,11 @@ import torch
 from lowprec_demo.common.output import atomic_write_json
 from lowprec_demo.formats import DTYPE_FORMATS, FloatFormat, get_format
 from lowprec_demo.monitor import forecast as watch_forecast
+from lowprec_demo.monitor.saved import SavedWatch, forecast_state
 from lowprec_demo.monitor.diagnoses import group_lines
+from lowprec_demo.optim.plan import FreezePlan, load_plan
+
+PLAN_FILE = "freeze_plan.json"     # the plan the trainers' callbacks save beside the report
 
 __all__ = ["WatchReport", "load_watch", "jsonable", "watch_format", "report_data", "save_report"]
 
@@ -44,31 +54,37 @@ def jsonable(x):
     return x
 
 
-def report_data(watch) -> dict:
+def report_data(watch, plan=None) -> dict:
     """A :class:`~lowprec_demo.monitor.freeze_watch.FreezeWatch`'s report as JSON-ready data:
-    settings, steps, records, freeze steps, forecast (with a known run length), diagnoses; in observation under a
-    supported optimizer, ``"expected"``: the records of the update meant (older reports lack it)."""
+    settings, steps, records, freeze steps, forecast (with a known run length), diagnoses, the forecast's inputs
+    (:func:`forecast_state`); in observation under a supported optimizer, ``"expected"``: the records of the update
+    meant (older reports lack them); ``plan`` (a FreezePlan or the path of its JSON): the plan applied, embedded."""
     forecasts, curves = {}, {}
     if not watch.no_forecast and watch.steps and watch.total_steps:
         for f in watch.formats:
             forecasts[f] = watch_forecast.forecast(watch, f, curves=True)
             curves[f] = {n: {str(s): v for s, v in c.items()} for n, c in forecasts[f].pop("curves").items()}
+    if plan is not None and not isinstance(plan, FreezePlan):
+        plan = load_plan(plan)
     return {"kind": "lowprec_demo.watch", "mode": watch.mode, "formats": watch.formats, "threshold": watch.threshold,
             "every": watch.every, "total_steps": watch.total_steps, "steps": watch.steps, "lrs": watch.lrs,
             "sizes": {n: watch.sizes[n] for n in watch.tracked}, "groups": watch.groups,
             "records": {f: r.to_dict() for f, r in watch.records.items()}, "idle": watch.idle,
             "frozen_since": {f: watch.frozen_since(f) for f in watch.formats},
-            "forecast": forecasts, "forecast_curves": curves,
-            "diagnoses": [asdict(d) for d in watch.diagnoses()]} | (
-        {"expected": {f: r.to_dict() for f, r in watch.expected.items()}} if watch.expected else {})
+            "forecast": forecasts, "forecast_curves": curves, "no_forecast": watch.no_forecast,
+            "forecast_state": forecast_state(watch),
+            "diagnoses": [asdict(d) for d in watch.diagnoses()] if watch.steps else []} | (
+        {"expected": {f: r.to_dict() for f, r in watch.expected.items()}} if watch.expected else {}) | (
+        {"plan": plan.to_dict()} if plan is not None else {})
 
 
-def save_report(watch, path) -> None:
-    """Write the watch's report to ``path`` as JSON, atomically; sharded, from rank 0 only."""
+def save_report(watch, path, plan=None) -> None:
+    """Write the watch's report to ``path`` as JSON, atomically, with ``plan`` (:func:`report_data`); sharded, from
+    rank 0 only."""
     import torch.distributed as dist
     if watch.sharded and dist.get_rank() != 0:
         return
-    data = jsonable(report_data(watch))
+    data = jsonable(report_data(watch, plan))
     try:
         atomic_write_json(path, data)
     except OSError as error:     # it may name the temporary file beside the target: name the target
@@ -103,7 +119,8 @@ def check_report(data) -> None:
             raise ValueError(f"the report lists the format {f!r} but holds no record of it ('records' -> {f!r} "
                              f"with 'overall' and 'by_tensor')")
         counts = [(f"points in the {f} record's 'overall'", rec["overall"])] + [
-            (f"points for the tensor {n!r} in the {f} record", rec["by_tensor"].get(n)) for n in sizes]
+            (f"points for the tensor {n!r} in the {f} record", rec["by_tensor"].get(n, [] if not steps else None))
+            for n in sizes]
         for what, points in counts:
             if not isinstance(points, list) or len(points) != len(steps):
                 raise ValueError(f"the sizes disagree: {len(steps)} watched steps but "
@@ -114,6 +131,11 @@ def check_report(data) -> None:
         unknown = [n for n in members if n not in sizes]
         if unknown:
             raise ValueError(f"the group {group!r} names tensors the report has no size of: {', '.join(unknown[:3])}")
+    if data.get("plan") is not None:
+        try:
+            FreezePlan.from_dict(data["plan"])
+        except (ValueError, KeyError, TypeError) as error:
+            raise ValueError(f"the report's 'plan' is not a freeze plan ({error})") from None
 
 
 def _step(x) -> str:
@@ -130,11 +152,53 @@ def _band(x) -> str:
 
 
 class WatchReport:
-    """A watch's report (:func:`report_data`), with the same table and figure as the live watch."""
+    """A watch's report (:func:`report_data`), with the same table, figure and forecast as the live watch; ``path``:
+    the file it was read from (where ``plan`` looks for ``freeze_plan.json`` beside it)."""
 
-    def __init__(self, data: dict) -> None:
+    def __init__(self, data: dict, path=None) -> None:
         check_report(data)
-        self.data = data
+        self.data, self.path = data, path
+        self._plan, self.plan_note = None, None
+        if data.get("plan") is not None:
+            self._plan = FreezePlan.from_dict(data["plan"])
+        elif path is not None and os.path.isfile(beside := os.path.join(os.path.dirname(os.path.abspath(path)),
+                                                                        PLAN_FILE)):
+            try:
+                plan = load_plan(beside)
+            except (OSError, ValueError, KeyError, TypeError) as error:
+                self.plan_note = f"{beside} is not a freeze plan ({error})"
+            else:
+                if plan.format in data["formats"] and set(plan.remedies) <= set(data["sizes"]):
+                    self._plan, self.plan_note = plan, f"from {beside}"
+                else:
+                    self.plan_note = f"{beside} is another run's plan ({plan.format}, other tensors): not shown"
+
+    @property
+    def plan(self) -> Optional[FreezePlan]:
+        """The plan the run applied: saved with the report (``watch.save(path, plan=)``), else ``freeze_plan.json``
+        beside the file read when it is a plan of this report's format and tensors; None otherwise."""
+        return self._plan
+
+    def forecast(self, fmt=None, threshold: Optional[float] = None) -> Dict[str, object]:
+        """The forecast (:meth:`FreezeWatch.forecast <lowprec_demo.monitor.freeze_watch.FreezeWatch.forecast>`) the
+        live watch gave when this report was saved, recomputed from the saved inputs (any ``threshold``); a report
+        saved without them gives its stored forecast at its own threshold only, and says why otherwise."""
+        from lowprec_demo.monitor.freeze_watch import FreezeWatch
+        d, f = self.data, self._fmt(fmt)
+        if not d["steps"]:
+            raise ValueError("no step watched yet: this report was saved before the first watched optimizer step, "
+                             "so it has nothing to forecast from; save it again after training steps")
+        if d.get("forecast_state"):
+            return FreezeWatch.forecast(SavedWatch(d), f, threshold)
+        why = d.get("no_forecast") or ("the watch had no run length (total_steps), which a forecast needs"
+                                       if not d.get("total_steps") else None)
+        if why:
+            raise ValueError(f"no forecast in this report: {why}")
+        if f in d["forecast"] and (threshold is None or threshold == d["threshold"]):
+            return d["forecast"][f]
+        raise ValueError(f"this report holds only the forecast at its threshold {d['threshold']:g} (it was saved "
+                         f"before reports kept the forecast's inputs), not threshold={threshold!r}: save it again "
+                         f"from the live watch to forecast at other thresholds")
 
     def _fmt(self, fmt) -> str:
         formats = self.data["formats"]
@@ -164,19 +228,32 @@ class WatchReport:
     def summary(self, fmt=None, show: bool = True) -> str:
         """The table (tensor, size, format, frozen now, since, forecast with its band, diagnosis)
         and the grouped diagnoses, printed unless ``show=False``, and returned."""
-        rows, d = self.rows(fmt), self.data
+        rows, d, plan = self.rows(fmt), self.data, self.plan
         width = max(len(r["tensor"]) for r in rows)
-        lines = [f"freeze watch ({d['mode']}, {rows[0]['format']}): {len(d['steps'])} watched steps"
-                 + (f" of {d['total_steps']}" if d.get("total_steps") else "")
+        head = f"freeze watch ({d['mode']}, {rows[0]['format']}): "
+        if not d["steps"]:
+            text = head + "no step watched yet; train at least one optimizer step, then call summary() again"
+            if show:
+                print(text)
+            return text
+        lines = [head + f"{len(d['steps'])} watched steps" + (f" of {d['total_steps']}" if d.get("total_steps") else "")
                  + f", threshold {d['threshold']:g}; 'since' and 'forecast': the step from which the tensor stays "
-                   f"at or above it",
-                 f"{'tensor':<{width}}  {'size':>11}  {'format':>6}  {'frozen now':>10}  {'since':>6}  "
-                 f"{'forecast (band)':>16}  diagnosis"]
+                   f"at or above it"]
+        if plan is not None:
+            made = "" if plan.step is None else f", made at step {plan.step}"
+            lines.append(f"plan applied ({plan.format}{made}; {self.plan_note or 'saved with the report'}): "
+                         + ", ".join(f"{r} {t} tensors" for r, (t, _) in plan.counts().items() if t)
+                         + f"; {plan.bytes_per_parameter()['extra']:.3g} bytes per parameter above round to nearest")
+        elif self.plan_note:
+            lines.append(f"plan: {self.plan_note}")
+        lines.append(f"{'tensor':<{width}}  {'size':>11}  {'format':>6}  {'frozen now':>10}  {'since':>6}  "
+                     f"{'forecast (band)':>16}  " + ("remedy      " if plan is not None else "") + "diagnosis")
         for r in rows:
             now = "-" if r["frozen_now"] is None else f"{r['frozen_now']:.3f}"
             ahead = _band(r["forecast"]) if d["mode"] == "predict" or d["forecast"] else "n/a"
+            remedy = "" if plan is None else f"{plan.remedies.get(r['tensor'], '-'):<10}  "
             lines.append(f"{r['tensor']:<{width}}  {r['size']:>11,}  {r['format']:>6}  {now:>10}  "
-                         f"{_step(r['frozen_since']):>6}  {ahead:>16}  {r['diagnosis']}")
+                         f"{_step(r['frozen_since']):>6}  {ahead:>16}  {remedy}{r['diagnosis']}")
         text = "\n".join(lines + ([""] + group_lines(d["diagnoses"]) if d["diagnoses"] else []))
         if show:
             print(text)
@@ -187,6 +264,8 @@ class WatchReport:
         import matplotlib.pyplot as plt
         from lowprec_demo.common.style import series_style
         f, d = self._fmt(fmt), self.data
+        if not d["steps"]:
+            raise ValueError("no step watched yet: the report has nothing to draw; save it after training steps")
         rec, sizes = d["records"][f], d["sizes"]
         ax = plt.subplots(figsize=(8, 4))[1] if ax is None else ax
         curves = d["forecast_curves"].get(f, {})
@@ -212,8 +291,8 @@ class WatchReport:
 
 
 def load_watch(path) -> WatchReport:
-    """A saved watch report (``watch.save(path)``), with ``summary()`` and ``plot()``."""
+    """A saved watch report (``watch.save(path)``), with ``summary()``, ``plot()``, ``forecast()`` and ``plan``."""
     import json
 
     with open(path) as f:
-        return WatchReport(json.load(f))
+        return WatchReport(json.load(f), path)
