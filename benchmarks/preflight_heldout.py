@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -168,12 +169,13 @@ def verdicts(rows, cutoff: float) -> dict:
                 between=sum(r["truth"] == "between" for r in rows),
                 no_improvement=sum(r["truth"] is None for r in rows),
                 precision=m["tp"] / max(1, m["tp"] + m["fp"]), recall=m["tp"] / max(1, m["tp"] + m["fn"]),
+                moved=(m["tp"] + m["fn"]) / max(1, m["counted"]),
                 **{f"moves_{k}": v for k, v in m.items()})
 
 
 def table(rows) -> list:
     lines = ["| pretrain seed | seed | peak lr | steps | fp32 gain | bf16's share of it | predicted frozen | verdict "
-             "| needs (truth) | right | moves precision | moves recall |", "|" + "---|" * 12]
+             "| needs (truth) | right | moves precision | moves recall | moved (base rate) |", "|" + "---|" * 13]
     for r in rows:
         m = r["moves"]
         share = "n/a" if r["share"] is None else f"{r['share']:.1%}"
@@ -181,14 +183,19 @@ def table(rows) -> list:
         lines.append(f"| {r['pretrain_seed']} | {r['seed']} | {r['lr']:g} | {r['steps']} | "
                      f"{r['start_loss'] - r['fp32_loss']:+.4f} | {share} | {r['predicted_share']:.1%} | "
                      f"{r['verdict']} | {r['truth'] or 'fp32 no gain'} | {right} | "
-                     f"{m['tp'] / max(1, m['tp'] + m['fp']):.1%} | {m['tp'] / max(1, m['tp'] + m['fn']):.1%} |")
+                     f"{m['tp'] / max(1, m['tp'] + m['fp']):.1%} | {m['tp'] / max(1, m['tp'] + m['fn']):.1%} | "
+                     f"{(m['tp'] + m['fn']) / max(1, m['counted']):.1%} |")
     return lines
 
 
 def report(cal: dict, held: dict) -> str:
     cut, v, vc = held["cutoff"], held["verdicts"], cal["verdicts_at_fixed_cutoff"]
+    times = [r["preflight_s"] for r in held["rows"] + cal["rows"]]
+    steps = [r["bf16_step_ms"] for r in held["rows"] + cal["rows"]]
     lines = [f"# The preflight on held-out bf16 fine-tunes ({held['date']})", "",
-             f"Command: `{held['command']}`; machine: {held['machine_label']}, one thread.", "",
+             f"Command: `{held['command']}`; machine: {held['machine']['device_name']}, {held['machine_label']}, "
+             f"one thread; torch {held['machine']['torch']}, commit {held['machine']['git_commit']}. Calibration: "
+             f"`{cal['command']}` before it, its rows kept in this run's JSON (`calibration`).", "",
              "Targets, stated before measuring: a remedy recommended on every held-out run where plain bf16 loses at "
              f"least {NEEDS:.0%} of float32's loss improvement, none where it loses at most {NONE:.0%}; recall of "
              f"per-element \"moves\" above TRL #5417's {TRL_RECALL:.0%}.", "",
@@ -200,16 +207,30 @@ def report(cal: dict, held: dict) -> str:
              f"need none, {v['between']} between 2 % and 10 %, {v['no_improvement']} where float32 did not improve). "
              f"Moves over the probe steps (elements with a nonzero gradient in the bf16 run, "
              f"{v['moves_counted']:,} element-steps): precision {v['precision']:.1%}, recall {v['recall']:.1%} "
-             f"(TRL #5417: about {TRL_RECALL:.0%} recall).", "",
+             f"(TRL #5417: about {TRL_RECALL:.0%} recall); {v['moved']:.1%} of them moved, the precision of a "
+             f"predictor that says every element moves.", "",
              "## Calibration runs (the cutoff chosen on these)", "", *table(cal["rows"]), "",
              f"Calibration at the fixed cutoff: {vc['right']} of {vc['judged']} judged runs right; moves precision "
-             f"{vc['precision']:.1%}, recall {vc['recall']:.1%}.", ""]
+             f"{vc['precision']:.1%}, recall {vc['recall']:.1%} ({vc['moved']:.1%} moved).", "", "## Notes", "",
+             f"* The preflight's cost: {statistics.median(times):.2f} s median per run (20 float32 probe steps with "
+             f"the watch, on a copy), against a bf16 step of {statistics.median(steps):.1f} ms median inside the "
+             f"runs; both on a machine shared with other work (load average {held['machine']['load_average_start']} "
+             f"at start, {held['load_average_end']} at end).",
+             "* bf16's share of float32's improvement is `(start - bf16) / (start - fp32)` of the held-out loss, both "
+             "runs on the same batches; a run *needs* a remedy when bf16 loses at least 10 % of it, *none* when at "
+             "most 2 %; between, no target; where float32 does not improve (`fp32 gain` <= 0), no verdict is judged.",
+             "* Moves: over the first `probe_steps` steps of each run, the float32 copy's predicted \"moves\" "
+             "(`not lp.would_freeze(q(w), d, 'bf16')`) against the real bf16 run's stored weight changing at the "
+             "same step, over the element-steps whose gradient in the real run is nonzero. These are each run's first "
+             "20 steps (its warmup is 5 % of the run); later the copy's weights drift from the bf16 run's, and no "
+             "per-element claim is made for those steps.", ""]
     return "\n".join(lines + held.get("notes", []))
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--phase", choices=("calibrate", "heldout"), required=True)
+    ap.add_argument("--phase", choices=("calibrate", "heldout", "report"), required=True,
+                    help="report: the .md again from --out's .json")
     ap.add_argument("--json", help="calibrate: where to write the calibration")
     ap.add_argument("--calibration", help="heldout: the calibration JSON")
     ap.add_argument("--out", help="heldout: PREFIX of .json and .md")
@@ -223,6 +244,13 @@ def main(argv=None) -> int:
                    cutoff_then=pre.CUTOFF)
         print(json.dumps(out["proposal"]))
         atomic_write_json(args.json, out)
+        return 0
+    if args.phase == "report":
+        held = json.loads(open(args.out + ".json").read())
+        held["verdicts"] = verdicts(held["rows"], held["cutoff"])
+        held["calibration"]["verdicts_at_fixed_cutoff"] = verdicts(held["calibration"]["rows"], held["cutoff"])
+        atomic_write_json(args.out + ".json", held)
+        open(args.out + ".md", "w").write(report(held["calibration"], held) + "\n")
         return 0
     cal = json.loads(open(args.calibration).read())
     commit = subprocess.run(["git", "log", "-1", "--format=%h %cI", "--", "lowprec_demo/monitor/preflight.py"],
