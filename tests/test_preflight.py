@@ -117,6 +117,15 @@ def test_user_state_untouched():
     assert _same(runs[0], runs[1])
 
 
+def test_a_watch_on_the_users_optimizer_sees_no_probe_step():
+    model, opt, sched = _run()
+    with lp.watch(model, opt, scheduler=sched) as w:
+        pf = lp.preflight(model, opt, sched, loss=_loss())
+        assert pf.probe_steps == PROBE_STEPS and w.steps == []
+        train(model, opt, 2, sched)
+    assert w.steps == [0, 1]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_random_state_untouched():
     model = tiny_model().cuda().to(torch.bfloat16)
