@@ -125,6 +125,7 @@ class Variant:
     plan_at: Optional[float] = None
     restart: bool = False       # the plan applied from the start of a second run (the first one a probe)
     remedies: tuple = CLASSIC_REMEDIES      # those the plan may give
+    preflight: bool = False     # the plan of lp.preflight (a probe on a float32 copy), applied from the first step
 
 
 BF16 = torch.bfloat16
@@ -140,6 +141,7 @@ VARIANTS = {   # name -> Variant; lp_*: this package's LowPrecisionOptimizer on 
     "lp_plan": Variant(BF16, _adamw, plan_at=0.1),     # plain bf16, then the watch's plan (budget 1 byte/parameter)
     "lp_plan_restart": Variant(BF16, _adamw, plan_at=0.1, restart=True),   # that plan, from the start again
     "lp_plan_remainder": Variant(BF16, _adamw, plan_at=0.1, restart=True, remedies=PLAN_REMEDIES),
+    "lp_preflight": Variant(BF16, _adamw, preflight=True),     # plan_after=0: the preflight's plan from step 0
 }
 
 _EVALUATORS: dict = {}   # a float32 GPT per config, for heldout_loss
@@ -207,6 +209,10 @@ def finetune(variant, seed: int = 0, lr: float = 5e-5, steps: Optional[int] = No
         if before_run is not None:
             at = itertools.count()
             before_run(model, opt, sched, lambda m: m(*batches.get_batch(next(at)))[1])
+        if spec.preflight:   # probe steps on the run's first batches, on a float32 copy; then the plan from step 0
+            at = itertools.count()
+            plan = lp.preflight(model, opt, sched, steps, loss=lambda m: m(*batches.get_batch(next(at)))[1]).plan
+            attached = lp.attach_plan(opt, plan, model=model, generator=seed)
         start = time.perf_counter()
         for i, loss in train_steps(model, opt, steps, batches.get_batch, lambda b: model(*b)[1], sched):
             times.append(time.perf_counter() - start)      # the step and the scheduler's, not the bookkeeping

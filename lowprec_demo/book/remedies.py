@@ -23,7 +23,8 @@ from lowprec_demo.freeze import freeze_step
 from lowprec_demo.optim import FreezePlan
 from lowprec_demo.rounding import decay_rounds_back
 
-__all__ = ["compare_remedies", "RemedyComparison", "REMEDIES", "REMEDY_LABELS", "BENCH_VARIANT"]
+__all__ = ["compare_remedies", "RemedyComparison", "REMEDIES", "REMEDY_LABELS", "BENCH_VARIANT", "FINETUNE_ADVICE",
+           "advice_table"]
 
 REMEDIES = VARIANTS[1:]   # every variant of the training loop but the reference
 REMEDY_LABELS = {
@@ -200,3 +201,29 @@ def compare_remedies(experiment: str, remedies: Sequence[str] = REMEDIES, fewbit
             comparison.floor_ratio = ratio
             comparison.floor = run(variants=("reference", "nearest"), min_lr_ratio=ratio)
     return comparison
+
+
+# The bf16 fine-tune's remedies, as chapter 9 and the README table them: (variant of
+# :data:`lowprec_demo.book.finetune.VARIANTS`, label, from when it acts)
+FINETUNE_ADVICE = (
+    ("bf16", "none: plain bf16 (round to nearest)", ""),
+    ("lp_stochastic", "stochastic rounding", "step 0"),
+    ("lp_kahan", "Kahan summation, bf16 buffer", "step 0"),
+    ("lp_remainder", "16-bit remainder (an exact fp32 master)", "step 0"),
+    ("lp_master", "fp32 master weights", "step 0"),
+    ("lp_preflight", "the preflight's plan (`plan_after=0`)", "step 0"),
+    ("lp_plan", "the watch's plan, made mid-run (`plan_after=k`)", "a tenth in"),
+)
+
+
+def advice_table(values: Dict[str, dict]) -> str:
+    """The fine-tune advice as a Markdown table, one row per variant of :data:`FINETUNE_ADVICE` that ``values``
+    holds: ``{variant: {"closed": share of plain bf16's loss gap to fp32 closed, "bytes": bytes per parameter held,
+    "time": step time over plain bf16's (or None)}}``."""
+    lines = ["| remedy | from | gap closed | bytes per parameter | step time |", "| --- | --- | --- | --- | --- |"]
+    for name, label, start in FINETUNE_ADVICE:
+        if name in values:
+            v = values[name]
+            time = "" if v.get("time") is None else f"{v['time']:.2f}"
+            lines.append(f"| {label} | {start} | {v['closed']:.0%} | {v['bytes']:.3g} | {time} |")
+    return "\n".join(lines)
