@@ -42,7 +42,7 @@ def make_plan(watch, fmt=None, budget: float = 1.0, threshold: Optional[float] =
     if exact and f != "bf16":
         raise ValueError(f"the remainder remedy keeps a float32 master as bf16 plus 16 bits; this plan is for {f}")
     fallback = next((r for r in ("stochastic", "feedback") if r in remedies), "nearest")
-    fc = watch.forecast(f, threshold, total_steps)
+    fc = watch.forecast(f, threshold, total_steps, relative=None)     # the threshold's, on a fine-tune too
     total = total_steps if total_steps is not None else watch.total_steps
     plan = FreezePlan(f, {n: "nearest" for n in watch.tracked}, {}, {n: watch.sizes[n] for n in watch.tracked},
                       {n: list(watch.params[n].shape) for n in watch.tracked},

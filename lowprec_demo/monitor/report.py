@@ -62,7 +62,7 @@ def report_data(watch, plan=None) -> dict:
     forecasts, curves = {}, {}
     if not watch.no_forecast and watch.steps and watch.total_steps:
         for f in watch.formats:
-            forecasts[f] = watch_forecast.forecast(watch, f, curves=True)
+            forecasts[f] = watch_forecast.forecast(watch, f, curves=True, relative="auto")   # (started frozen: 0.9)
             curves[f] = {n: {str(s): v for s, v in c.items()} for n, c in forecasts[f].pop("curves").items()}
     if plan is not None and not isinstance(plan, FreezePlan):
         plan = load_plan(plan)
@@ -239,6 +239,12 @@ class WatchReport:
         lines = [head + f"{len(d['steps'])} watched steps" + (f" of {d['total_steps']}" if d.get("total_steps") else "")
                  + f", threshold {d['threshold']:g}; 'since' and 'forecast': the step from which the tensor stays "
                    f"at or above it"]
+        relative = (d["forecast"].get(rows[0]["format"]) or {}).get("relative")
+        if relative is not None:      # started at or above the threshold: the forecast of the way to all frozen
+            lines[0] = lines[0][:lines[0].index("; 'since'")] + (
+                f"; 'since': the step from which the tensor stays at or above it; the run started there, so "
+                f"'forecast' is when the tensor stays {relative:.0%} of the way from its least frozen share to all "
+                f"frozen (its band held 87% of held-out cases)")
         if plan is not None:
             made = "" if plan.step is None else f", made at step {plan.step}"
             lines.append(f"plan applied ({plan.format}{made}; {self.plan_note or 'saved with the report'}): "
