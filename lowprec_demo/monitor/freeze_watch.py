@@ -142,8 +142,9 @@ class FreezeWatch:
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         other = getattr(self.optimizer, "_freeze_watch", lambda: None)()
         if other is not None and other._handles and other.optimizer is self.optimizer:
-            raise ValueError(f"this {type(self.optimizer).__name__} has a freeze watch attached already: use that one "
-                             f"(formats=... covers several formats) or detach() it first")
+            warnings.warn(f"this {type(self.optimizer).__name__} has a freeze watch attached already: a second one "
+                          f"copies and compares every step again; use the first (formats=... covers several formats), "
+                          f"or detach() it before watching again", UserWarning, stacklevel=3)
         check_schedule(scheduler)
         self.scheduler = unwrap_scheduler(scheduler)
         self.every, self.threshold, self.patience = every, float(threshold), patience

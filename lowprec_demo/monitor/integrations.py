@@ -210,10 +210,11 @@ def hf_callback(path=None, plan_after=None, plan_format=None, plan_budget=1.0, p
     ``plan_after=0`` (the loss of its probe steps ``model(**batch).loss`` on batches of a fresh iterator of the
     trainer's train data loader, moved to the model's device, or ``preflight_loss(model)``), or the watch's after
     ``plan_after`` steps (see :mod:`~lowprec_demo.monitor.integrations` for what a late plan costs);
-    ``watch_options`` to :func:`lowprec_demo.watch`. Checkpoints: ``on_save`` writes the plan and its state to
-    ``lowprec_state.pt`` in ``output_dir/checkpoint-<step>`` (a copy of the remedies' buffers: 0-8 bytes per
-    parameter, as the plan's ``bytes_per_parameter``); a resumed run (``state.global_step`` > 0) reads it back and
-    attaches the same plan, or warns when it is missing. The watch starts again at the resumed step.
+    ``watch_options`` to :func:`lowprec_demo.watch`. ``plan_after=0`` costs the preflight before the first step (its
+    probe steps in float32 on a copy of the model: :func:`lowprec_demo.preflight`). Checkpoints: ``on_save`` writes the
+    plan and its state to ``lowprec_state.pt`` in ``output_dir/checkpoint-<step>`` (the remedies' buffers: the plan's
+    ``bytes_per_parameter()["extra"]`` per parameter, and a few kB); a resumed run (``state.global_step`` > 0) reads
+    it back and attaches the same plan, or warns when it is missing. The watch starts again at the resumed step.
 
     Give it to the Trainer in one of two ways; at each of the Trainer's logs it adds the values ``frozen_<format>``::
 
