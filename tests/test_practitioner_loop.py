@@ -186,7 +186,7 @@ def test_hf_plan_then_watch_logs_what_the_stored_bits_do(tmp_path, hf, plan_afte
     assert report.data["steps"] == list(range(8)) and report.plan == plan
 
 
-def _hf_resume_pair(tmp_path, hf, plan_after, drop_state=False):
+def _hf_resume_pair(tmp_path, hf, plan_after, drop_state=False, drop_plan=False):
     """An unbroken run of 8 steps saving at step 4, and a run resumed from that checkpoint; their parameters."""
     options = dict(dtype=torch.bfloat16, steps=8, samples=32, lr=1e-4, save_strategy="steps", save_steps=4)
     callback = hf_callback(plan_after=plan_after, plan_budget=4.0)
@@ -199,6 +199,8 @@ def _hf_resume_pair(tmp_path, hf, plan_after, drop_state=False):
     assert held <= os.path.getsize(tmp_path / "a" / "checkpoint-4" / STATE_FILE) <= held + 32768
     if drop_state:
         os.remove(tmp_path / "a" / "checkpoint-4" / STATE_FILE)
+    if drop_plan:
+        os.remove(tmp_path / "a" / "freeze_plan.json")
     resumed_cb = hf_callback(plan_after=plan_after, plan_budget=4.0)
     resumed = hf.trainer(tmp_path / "a", resumed_cb, **options)
     resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-4"))
@@ -226,6 +228,12 @@ def test_hf_resume_without_the_plans_state_warns(tmp_path, hf):
     assert resumed_cb.plan == callback.plan        # the saved plan again, with fresh state: other bits
     assert {"master", "kahan"} & set(callback.plan.remedies.values()), callback.plan.remedies
     assert _differ(a, b) != []
+
+
+def test_hf_resume_without_the_plans_state_or_file_plans_again_from_the_preflight(tmp_path, hf):
+    with pytest.warns(UserWarning, match=r"resuming at step 4 without .* the preflight plans again now"):
+        _, resumed_cb, _, _ = _hf_resume_pair(tmp_path, hf, 0, drop_state=True, drop_plan=True)
+    assert resumed_cb.preflight is not None and resumed_cb.plan.step == 0
 
 
 # ---- Lightning ------------------------------------------------------------------------------------------------------

@@ -90,7 +90,7 @@ class _Watching:
                 self._apply(FreezePlan.from_dict(saved["plan"]), model, saved["lowprec"])
             elif resumed and self.plan_after is not None and resumed >= self.plan_after:
                 self._missing_state(model, resumed)
-            elif self.plan_after == 0:
+            if self.plan is None and self.plan_after == 0:
                 self._plan_from_preflight(model, self.preflight_loss or trainer_loss())
         except BaseException:
             w.path = None       # nothing was watched: no report to leave behind
@@ -158,7 +158,7 @@ class _Watching:
         saved = self.plan_path if self.plan_path is not None else \
             os.path.join(os.path.dirname(os.path.abspath(self.target)), "freeze_plan.json")
         then = f"the plan in {saved} is applied again with fresh state" if os.path.exists(saved) else \
-            "a new plan is made after the next step"
+            "the preflight plans again now" if self.plan_after == 0 else "a new plan is made after the next step"
         warnings.warn(f"resuming at step {resumed} without the freeze plan's state ({STATE_FILE} in the checkpoint, or "
                       f"the callback's checkpoint state): the Kahan buffers, master copies and remainders of the plan "
                       f"made at step {self.plan_after} are lost, so this run will not take the steps of an unbroken "
