@@ -274,7 +274,8 @@ def forecast(watch, fmt=None, threshold: Optional[float] = None, total_steps: Op
     (tensor or model, run, asked-at step) cases still to come when asked (8 runs: other seeds, peak rates 1e-5 to 2e-4,
     another pretraining; asked at steps 15, 45, 90, 150), 90 % (245 of 273) on the 4 design runs; median width 47
     steps, median error of the step 11. Asked at the end of the warmup (step 15) it held 72 %, from step 45 on 83-99 %:
-    ask after the first tenth of the run."""
+    ask after the first tenth of the run. With the watch following 1,024 elements per tensor (``sample=1024``): 87 %
+    (636 of 728) held-out, a wider band (median 64 steps)."""
     if relative == "auto":
         relative = RELATIVE if threshold is None and started_frozen(watch, fmt) else None
     if relative is not None:
