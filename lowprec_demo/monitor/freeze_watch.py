@@ -346,12 +346,9 @@ class FreezeWatch:
                  curves: bool = False, relative="auto") -> Dict[str, object]:
         """When the model and each tensor will pass the threshold, with a band
         (:func:`lowprec_demo.monitor.forecast.forecast`; ``curves=True`` adds the frozen fraction ahead), computed
-        when asked (not in the loop). Where the run started at or above the threshold (a bf16 fine-tune), and no
-        ``threshold`` is given, ``relative="auto"`` forecasts instead when each tensor passes 90 % of the way from its
-        least frozen share to all frozen (``"relative"``, ``"level"`` and ``"base"`` in the answer); its band held the
-        observed step for 87 % of the held-out (tensor, asked-at) cases of
-        ``benchmarks/cpu-2026-12-06-forecast-finetune.md`` (72 % asked at the warmup's end, 83-99 % from 15 % of the
-        run on). ``relative=None``: the threshold's forecast always. A few milliseconds per tensor and step ahead."""
+        when asked. Where the run started at or above the threshold (a bf16 fine-tune) and no ``threshold`` is given,
+        ``relative="auto"``: when each tensor passes 90 % of the way from its least frozen share to all frozen (its band
+        held 87 % of held-out cases, 72 % asked at the warmup's end); ``relative=None``: the threshold's always."""
         no_step_yet(self, "forecast()")
         return watch_forecast.forecast(self, fmt, threshold, total_steps, curves, relative)
 
