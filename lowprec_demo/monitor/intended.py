@@ -52,6 +52,20 @@ def _zeros(p: torch.Tensor) -> torch.Tensor:
     return p.new_zeros(()).expand(p.shape)
 
 
+def _runs(coefficients: torch.Tensor, counts: List[int]) -> List[tuple]:
+    """``(start, end, column)`` per run of consecutive tensors whose column of ``coefficients`` (one per tensor) is the
+    same (usually a param group's): each run's elements take the same float64 operations with scalars, which give
+    the bits that one coefficient per element would, without the per-element coefficient tensors."""
+    out, start = [], 0
+    for column, n in zip(coefficients.t().tolist(), counts):
+        if out and out[-1][2] == column and out[-1][1] == start:
+            out[-1] = (out[-1][0], start + n, column)
+        else:
+            out.append((start, start + n, column))
+        start += n
+    return out
+
+
 def intended_update(optimizer, sample, params: List[torch.Tensor], lrs: List[float], old: torch.Tensor,
                     grad: torch.Tensor) -> torch.Tensor:
     """The module docstring's ``d`` at the followed elements of ``params`` (float64), from ``optimizer``'s state after
@@ -77,9 +91,13 @@ def intended_update(optimizer, sample, params: List[torch.Tensor], lrs: List[flo
         decoupled = per_tensor(isinstance(opt, torch.optim.AdamW) or g.get("decoupled_weight_decay", False)
                                for g in groups)
         c = torch.stack([lr / (1 - beta1 ** t.clamp(min=1)), 1 / (1 - beta2 ** t.clamp(min=1)),
-                         per_tensor(g["eps"] for g in groups), decoupled * lr * wd])[:, sample.tensor_id.long()]
+                         per_tensor(g["eps"] for g in groups), decoupled * lr * wd])
         v = state(["max_exp_avg_sq" if g["amsgrad"] else "exp_avg_sq" for g in groups])
-        return -c[0] * state("exp_avg") / ((v * c[1]).sqrt() + c[2]) - c[3] * old
+        m = state("exp_avg")
+        for start, end, (c0, c1, c2, c3) in _runs(c, getattr(sample, "local_counts", sample.counts)):
+            denom = v[start:end].mul_(c1).sqrt_().add_(c2)       # in place, one scalar per run of equal tensors:
+            m[start:end].mul_(-c0).div_(denom).sub_(old[start:end] * c3)   # -c0 m / (sqrt(v c1) + c2) - c3 w
+        return m
     # SGD: d = -lr (k_g g' + k_buf buf)
     mom = [float(g["momentum"]) for g in groups]
     k_g = per_tensor(1.0 if m == 0 or g["nesterov"] else 0.0 for m, g in zip(mom, groups))
