@@ -49,7 +49,7 @@ from lowprec_demo.monitor.intended import intended_update, unsupported
 from lowprec_demo.monitor.diagnoses import Diagnosis, diagnose, state_counters
 from lowprec_demo.monitor.forecast import RatioHistograms, check_schedule, schedule_length, unwrap_scheduler
 from lowprec_demo.monitor.planning import make_plan
-from lowprec_demo.monitor.report import WatchReport, jsonable, report_data, save_report, watch_format
+from lowprec_demo.monitor.report import WatchReport, jsonable, no_step_yet, report_data, save_report, watch_format
 from lowprec_demo.optim.optimizer import LowPrecisionOptimizer
 from lowprec_demo.optim.plan import CLASSIC_REMEDIES, FreezePlan
 from lowprec_demo.rounding import freeze_rule, round_to_grid
@@ -70,15 +70,6 @@ def _inner(optimizer):
            and isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer)):
         optimizer = optimizer.optimizer
     return optimizer
-
-
-def no_step_yet(watch, what: str) -> None:
-    """Raise ValueError, in one line that says what to do, when ``watch`` has watched no step yet."""
-    if not watch.steps:
-        raise ValueError(f"no step watched yet: {what} reads what the watch measures at the optimizer's steps; call "
-                         f"it after at least one optimizer step (optimizer.step())"
-                         + (", or lp.preflight(model, optimizer, ...) for a plan before the first step"
-                            if what == "plan()" else ""))
 
 
 UNKNOWN_RUN = 1000     # watched steps taken for a run of unknown length, when deciding to compile up front

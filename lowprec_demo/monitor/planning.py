@@ -35,7 +35,7 @@ def make_plan(watch, fmt=None, budget: float = 1.0, threshold: Optional[float] =
         raise ValueError(f"budget must be a number of bytes per parameter >= 0, got {budget!r}")
     if isinstance(remedies, str) or not set(remedies) <= set(PLAN_REMEDIES) or "nearest" not in remedies:
         raise ValueError(f"remedies must be some of {', '.join(PLAN_REMEDIES)}, 'nearest' among them; got {remedies!r}")
-    from lowprec_demo.monitor.freeze_watch import no_step_yet
+    from lowprec_demo.monitor.report import no_step_yet
     no_step_yet(watch, "plan()")
     f = watch.record(fmt).format
     exact = "remainder" if "remainder" in remedies else None

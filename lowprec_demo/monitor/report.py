@@ -29,6 +29,15 @@ PLAN_FILE = "freeze_plan.json"     # the plan the trainers' callbacks save besid
 __all__ = ["WatchReport", "load_watch", "jsonable", "watch_format", "report_data", "save_report"]
 
 
+def no_step_yet(watch, what: str) -> None:
+    """Raise ValueError, in one line that says what to do, when ``watch`` has watched no step yet."""
+    if not watch.steps:
+        raise ValueError(f"no step watched yet: {what} reads what the watch measures at the optimizer's steps; call "
+                         f"it after at least one optimizer step (optimizer.step())"
+                         + (", or lp.preflight(model, optimizer, ...) for a plan before the first step"
+                            if what == "plan()" else ""))
+
+
 def watch_format(fmt) -> FloatFormat:
     """A format as the watch takes it: a name, a :class:`~lowprec_demo.formats.FloatFormat`, or the
     torch dtype that stores it, as the model was cast (``watch_format(torch.bfloat16).name`` -> ``"bf16"``)."""
@@ -183,13 +192,12 @@ class WatchReport:
         """The forecast (:meth:`FreezeWatch.forecast <lowprec_demo.monitor.freeze_watch.FreezeWatch.forecast>`) the
         live watch gave when this report was saved, recomputed from the saved inputs (any ``threshold``); a report
         saved without them gives its stored forecast at its own threshold only, and says why otherwise."""
-        from lowprec_demo.monitor.freeze_watch import FreezeWatch
         d, f = self.data, self._fmt(fmt)
         if not d["steps"]:
             raise ValueError("no step watched yet: this report was saved before the first watched optimizer step, "
                              "so it has nothing to forecast from; save it again after training steps")
         if d.get("forecast_state"):
-            return FreezeWatch.forecast(SavedWatch(d), f, threshold)
+            return watch_forecast.forecast(SavedWatch(d), f, threshold)   # what FreezeWatch.forecast computes
         why = d.get("no_forecast") or ("the watch had no run length (total_steps), which a forecast needs"
                                        if not d.get("total_steps") else None)
         if why:
