@@ -21,7 +21,7 @@ Targets, stated before measuring (not tuned toward):
 A variant that raises is reported with its message. ``--out PREFIX`` writes ``PREFIX.json`` and ``PREFIX.md``.
 
 Example:
-    ``python benchmarks/finetune_bf16.py --seeds 0,1,2 --out benchmarks/cpu-2026-12-05-finetune-bf16``
+    ``python benchmarks/finetune_bf16.py --seeds 0,1,2 --out benchmarks/cpu-2026-12-06-finetune-bf16``
 """
 
 from __future__ import annotations

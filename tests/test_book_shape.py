@@ -25,12 +25,14 @@ def test_the_book_meets_its_reader_targets():
 def test_the_readme_remedy_table_is_chapter_9s_stored_output():
     readme_table = _tool("readme_table")
     values = readme_table.glued()
-    body = readme_table.table(values)
     readme = (REPO / "README.md").read_text(encoding="utf-8")
-    assert readme_table.spliced(readme, body) == readme, (
-        "README.md's remedy table differs from chapter 9's glued values: python tools/readme_table.py --write\n" + body)
+    assert readme_table.both(readme, values) == readme, (
+        "README.md's tables differ from chapter 9's glued values: python tools/readme_table.py --write\n"
+        + readme_table.table(values) + "\n" + readme_table.finetune_table(values))
     for name in ("fp32", "nearest", "stochastic", "master"):
         assert f"ch9_gap_{name}" in values and f"ch9_bytes_{name}" in values, sorted(values)
+    for name in ("bf16", "lp_stochastic", "lp_preflight", "lp_plan"):
+        assert f"ch9_ft_closed_{name}" in values and f"ch9_ft_time_{name}" in values, sorted(values)
 
 
 def test_check_book_finds_what_it_looks_for(tmp_path):

@@ -1,4 +1,5 @@
-"""The README's remedy table, made from chapter 9's stored outputs.
+"""The README's two tables, made from chapter 9's stored outputs: the remedies on the nanoGPT, and what to do for a
+bf16 fine-tune.
 
     python tools/readme_table.py            # print the table
     python tools/readme_table.py --write    # put it into README.md between its remedy-table markers
@@ -7,7 +8,9 @@
 Chapter 9 glues, for every remedy of its nanoGPT comparison, ``ch9_gap_<remedy>`` (final loss minus
 fp32's), ``ch9_bytes_<remedy>`` (bytes per parameter) and, where a stored benchmark gives it,
 ``ch9_time_<remedy>`` (step time over the fp32 step). This reads those outputs from the notebook as
-stored, so the README quotes what the chapter computed.
+stored, so the README quotes what the chapter computed. The fine-tune table is
+:func:`lowprec_demo.book.remedies.advice_table` of the glued ``ch9_ft_closed_<variant>``, ``ch9_ft_bytes_<variant>``
+and ``ch9_ft_time_<variant>``, the table chapter 9 shows.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 CHAPTER = REPO / "book" / "09_remedies.ipynb"
 README = REPO / "README.md"
 BEGIN, END = "<!-- remedy-table: begin -->", "<!-- remedy-table: end -->"
+FT_BEGIN, FT_END = "<!-- finetune-table: begin -->", "<!-- finetune-table: end -->"
 GLUE_MIME = "application/papermill.record/text/plain"
 LABELS = {"fp32": "fp32", "nearest": "round to nearest", "stochastic": "stochastic rounding",
           "kahan": "Kahan, fp32 buffer", "kahan_lp": "Kahan, bf16 buffer", "master": "fp32 master weights",
@@ -73,27 +77,42 @@ def table(values: dict) -> str:
     return "\n".join(lines)
 
 
-def spliced(readme: str, body: str) -> str:
-    if BEGIN not in readme or END not in readme:
-        raise SystemExit(f"README.md has no {BEGIN} ... {END} markers")
-    head, rest = readme.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    return f"{head}{BEGIN}\n{body}\n{END}{tail}"
+def finetune_table(values: dict) -> str:
+    """Chapter 9's fine-tune advice table, from its glued values."""
+    from lowprec_demo.book.remedies import FINETUNE_ADVICE, advice_table
+    rows = {v: {"closed": values[f"ch9_ft_closed_{v}"], "bytes": values[f"ch9_ft_bytes_{v}"],
+                "time": values.get(f"ch9_ft_time_{v}")} for v, _, _ in FINETUNE_ADVICE if f"ch9_ft_closed_{v}" in values}
+    if not rows:
+        raise SystemExit(f"{CHAPTER.relative_to(REPO)} glues no ch9_ft_closed_<variant> value: execute it first")
+    return advice_table(rows)
+
+
+def spliced(readme: str, body: str, begin: str = BEGIN, end: str = END) -> str:
+    if begin not in readme or end not in readme:
+        raise SystemExit(f"README.md has no {begin} ... {end} markers")
+    head, rest = readme.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    return f"{head}{begin}\n{body}\n{end}{tail}"
+
+
+def both(readme: str, values: dict) -> str:
+    """README.md with both tables put in."""
+    return spliced(spliced(readme, table(values)), finetune_table(values), FT_BEGIN, FT_END)
 
 
 def main(argv) -> int:
-    body = table(glued())
+    values = glued()
     readme = README.read_text(encoding="utf-8")
     if "--write" in argv:
-        README.write_text(spliced(readme, body), encoding="utf-8")
-        print(f"wrote the remedy table into {README.name}")
+        README.write_text(both(readme, values), encoding="utf-8")
+        print(f"wrote the remedy and fine-tune tables into {README.name}")
     elif "--check" in argv:
-        if spliced(readme, body) != readme:
-            print("README.md's remedy table is not chapter 9's stored output: run python tools/readme_table.py --write")
+        if both(readme, values) != readme:
+            print("README.md's tables are not chapter 9's stored output: run python tools/readme_table.py --write")
             return 1
-        print("README.md's remedy table is chapter 9's stored output")
+        print("README.md's tables are chapter 9's stored output")
     else:
-        print(body)
+        print(table(values) + "\n\n" + finetune_table(values))
     return 0
 
 

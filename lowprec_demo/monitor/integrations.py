@@ -13,7 +13,7 @@ report at the end (``freeze_watch.json`` in the output or log folder, with the p
   trainer's train data loader (a fresh iterator; the torch random state is put back after it) or from
   ``preflight_loss(model)``.
 * ``plan_after=k``: the watch's own plan after k watched steps. It comes late: the steps at the peak learning rate are
-  the ones lost. On the bf16 fine-tune benchmark (``benchmarks/cpu-2026-12-05-finetune-bf16.md``, 300 steps of AdamW)
+  the ones lost. On the bf16 fine-tune benchmark (``benchmarks/cpu-2026-12-06-finetune-bf16.md``, 300 steps of AdamW)
   the plan made at step 30 closed 97 % of plain bf16's gap to float32, the same plan from step 0 99 %; on a tiny
   Llama fine-tuned 200 steps (issue 51) a plan at step 50 closed 72-75 % at lr 1e-4 and 55-56 % at lr 1e-5, one from
   step 0 about 100 %.
