@@ -15,8 +15,10 @@ would leave in place (``q(q(w) + d) == q(w)``), the fraction stochastic rounding
 ``LowPrecisionOptimizer``'s grid): the fraction the step left bit for bit the same, *frozen* (with a gradient) or
 *idle* (without); under AdamW, Adam or SGD also the update the optimizer meant, read from its state
 (:mod:`~lowprec_demo.monitor.intended`), for prediction's histograms of the stored format (forecast and plan) and
-``expected_record``, the frozen fraction it predicts. Under FSDP2 one ``all_reduce`` per step adds the counts. The
-snapshots, counts and records are those of :class:`~lowprec_demo.freeze.tracker.FreezeTracker` (``watch.tracker``).
+``expected_record``, the frozen fraction it predicts, and ``kept[fmt]`` (:mod:`~lowprec_demo.monitor.kept`), the share
+of it the stored weights took: under a fix (stochastic rounding, Kahan, master copies) a weight far below its gap moves
+at few steps, so the frozen share stays high, but the kept share goes from about 0 to about 1. Under FSDP2 one
+``all_reduce`` per step adds the counts. Copies, counts, records: :class:`~lowprec_demo.freeze.tracker.FreezeTracker`.
 
 Example:
     >>> import torch, lowprec_demo as lp
@@ -45,7 +47,8 @@ from lowprec_demo.freeze.records import FreezeRecord, freeze_step
 from lowprec_demo.freeze.sampling import ShardedSample
 from lowprec_demo.freeze.tracker import FreezeTracker
 from lowprec_demo.monitor import forecast as watch_forecast
-from lowprec_demo.monitor.intended import intended_update, unsupported
+from lowprec_demo.monitor.intended import unsupported
+from lowprec_demo.monitor.kept import KeptRecord, observe_step
 from lowprec_demo.monitor.diagnoses import Diagnosis, diagnose, state_counters
 from lowprec_demo.monitor.forecast import RatioHistograms, check_schedule, schedule_length, unwrap_scheduler
 from lowprec_demo.monitor.planning import make_plan
@@ -123,7 +126,8 @@ class FreezeWatch:
     ``"embeddings"``, ``"matrices"``), ``no_forecast`` why no forecast or plan can be made (None: they can).
     Measured step by step: ``records``, ``idle`` and ``frozen_with_grad`` per tensor, ``lrs``, ``ratios`` (the
     forecast's histograms and trend), ``rows_seen`` (per embedding, the rows with a gradient), ``counters`` (float
-    optimizer-state counters: ``{(tensor, key): (value, steps stuck)}``); ``tracker`` holds the copies and counts."""
+    optimizer-state counters: ``{(tensor, key): (value, steps stuck)}``), ``kept`` (observation with the update meant:
+    a :class:`~lowprec_demo.monitor.kept.KeptRecord` per format; else empty); ``tracker``: copies and counts."""
 
     def __init__(self, model: torch.nn.Module, optimizer, formats: Sequence = ("bf16",), scheduler=None,
                  every: int = 1, threshold: float = 0.5, total_steps: Optional[int] = None,
@@ -186,6 +190,7 @@ class FreezeWatch:
             f"format; this watch observes {', '.join(self.formats)}")
         self.expected = {} if self.no_forecast or self.mode == "predict" else {
             f: FreezeRecord(format=f, kind="predicted") for f in self.formats}
+        self.kept: Dict[str, KeptRecord] = {f: KeptRecord(f) for f in self.expected}   # (the update meant: known)
         self.steps, self.lrs = [], []          # per watched step: the step, the lr per param group
         self.idle = {n: [] for n in self.tracked}                # per watched step: the fraction with no gradient,
         self.frozen_with_grad = {n: [] for n in self.tracked}    # and the fraction frozen with one
@@ -234,14 +239,8 @@ class FreezeWatch:
         # rows that had a gradient, in full: an embedding's unused rows
         row_names = [n for n in self._embeddings if self.params[n].grad is not None]
         rows = [sample.row_flags(self.params[n], self.params[n].grad) for n in row_names]
-        if self.mode == "observe":
-            (_, idle, frozen_grad), rows = self.tracker.count_observed(names, sample, old, new, grad, rows)
-            self._add_idle(idle, frozen_grad)
-            if self.expected:      # the update meant, by prediction's rule at the stored weights
-                old = old.float()
-                d = intended_update(self.optimizer, sample, params, [self._lr_now[self.group_of[n]] for n in names],
-                                    old, grad)
-                self._predict(sample, old, (old.double() + d).float(), grad.float(), self.expected)
+        if self.mode == "observe":     # (with the update meant: the frozen share it predicts, and the kept share)
+            rows = observe_step(self, names, sample, params, old, new, grad, rows)
         else:
             rows = self._predict(sample, old, new, grad, self.records, rows)
         for n, seen in zip(row_names, rows):
@@ -250,7 +249,8 @@ class FreezeWatch:
         self._watch_counters()
         if self._writer is not None:
             for f in self.formats:
-                self._writer.add_scalar(f"freeze/{f}/frozen", self.records[f].overall[-1], step)
+                for key, rec in [("frozen", self.records[f])] + [("kept", self.kept.get(f))] * (f in self.kept):
+                    self._writer.add_scalar(f"freeze/{f}/{key}", rec.overall[-1], step)
                 for group, members in self.groups.items():
                     value = sum(self.records[f].by_tensor[n][-1] * self.sizes[n] for n in members)
                     self._writer.add_scalar(f"freeze/{f}/{group}", value / sum(self.sizes[n] for n in members), step)

@@ -67,7 +67,8 @@ def report_data(watch, plan=None) -> dict:
     """A :class:`~lowprec_demo.monitor.freeze_watch.FreezeWatch`'s report as JSON-ready data:
     settings, steps, records, freeze steps, forecast (with a known run length), diagnoses, the forecast's inputs
     (:func:`forecast_state`); in observation under a supported optimizer, ``"expected"``: the records of the update
-    meant (older reports lack them); ``plan`` (a FreezePlan or the path of its JSON): the plan applied, embedded."""
+    meant, and ``"kept"``: the share of it stored (:mod:`~lowprec_demo.monitor.kept`; older reports lack them);
+    ``plan`` (a FreezePlan or the path of its JSON): the plan applied, embedded."""
     forecasts, curves = {}, {}
     if not watch.no_forecast and watch.steps and watch.total_steps:
         for f in watch.formats:
@@ -83,7 +84,8 @@ def report_data(watch, plan=None) -> dict:
             "forecast": forecasts, "forecast_curves": curves, "no_forecast": watch.no_forecast,
             "forecast_state": forecast_state(watch),
             "diagnoses": [asdict(d) for d in watch.diagnoses()] if watch.steps else []} | (
-        {"expected": {f: r.to_dict() for f, r in watch.expected.items()}} if watch.expected else {}) | (
+        {"expected": {f: r.to_dict() for f, r in watch.expected.items()},
+         "kept": {f: r.to_dict() for f, r in watch.kept.items()}} if watch.expected else {}) | (
         {"plan": plan.to_dict()} if plan is not None else {})
 
 
