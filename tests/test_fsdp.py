@@ -129,7 +129,8 @@ def _same_state(a, b) -> bool:
 
 def _report_difference(a, b, path="") -> list:
     """Where two watch reports differ: exactly, except the share stochastic rounding would move
-    (a sum of probabilities, added in another order over shards), to 1e-12."""
+    (a sum of probabilities) and the kept share (a ratio of sums of real updates), both added in
+    another order over shards, to 1e-12."""
     if isinstance(a, dict) and isinstance(b, dict):
         if a.keys() != b.keys():
             return [f"{path}: keys {sorted(a)} != {sorted(b)}"]
@@ -138,7 +139,7 @@ def _report_difference(a, b, path="") -> list:
         if len(a) != len(b):
             return [f"{path}: length {len(a)} != {len(b)}"]
         return [d for i, (x, y) in enumerate(zip(a, b)) for d in _report_difference(x, y, f"{path}[{i}]")]
-    if "move_fraction" in path and isinstance(a, float) and isinstance(b, float):
+    if ("move_fraction" in path or path.startswith("/kept/")) and isinstance(a, float) and isinstance(b, float):
         return [] if abs(a - b) <= 1e-12 else [f"{path}: {a!r} != {b!r}"]
     return [] if a == b or (a != a and b != b) else [f"{path}: {a!r} != {b!r}"]
 

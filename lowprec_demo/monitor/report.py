@@ -199,7 +199,7 @@ class WatchReport:
             raise ValueError("no step watched yet: this report was saved before the first watched optimizer step, "
                              "so it has nothing to forecast from; save it again after training steps")
         if d.get("forecast_state"):
-            return watch_forecast.forecast(SavedWatch(d), f, threshold)   # what FreezeWatch.forecast computes
+            return watch_forecast.forecast(SavedWatch(d), f, threshold, None, False, "auto")   # as FreezeWatch.forecast
         why = d.get("no_forecast") or ("the watch had no run length (total_steps), which a forecast needs"
                                        if not d.get("total_steps") else None)
         if why:
