@@ -35,8 +35,7 @@ import traceback
 import torch
 
 from lowprec_demo.book import finetune as ft
-from lowprec_demo.book.results import atomic_write_json
-from machine import cpu_label, load_average, machine_record
+from machine import cpu_label, load_average, machine_record, save_run
 from timing import median_times
 
 TARGETS = {"sr_step_ratio": 1.1, "plan_extra_bytes": 1.0}
@@ -216,9 +215,7 @@ def main(argv=None) -> None:
     text = markdown(result)
     print(text)
     if args.out:
-        atomic_write_json(args.out + ".json", result)
-        with open(args.out + ".md", "w") as f:
-            f.write(text)
+        save_run(args.out, result, text)
 
 
 if __name__ == "__main__":

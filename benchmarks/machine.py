@@ -16,7 +16,7 @@ from typing import List, Optional
 
 import torch
 
-from lowprec_demo.book.results import cpuinfo, provenance
+from lowprec_demo.book.results import atomic_write_json, cpuinfo, provenance
 
 __all__ = ["VECTOR_FLAGS", "CPU_FIELDS", "cpu_identity", "cpu_label", "cpu_vector_extensions",
            "compiler_vector_width", "load_average", "machine_record"]
@@ -114,3 +114,10 @@ def machine_record(device: str) -> dict:
             "cpu_vector_extensions": cpu_vector_extensions(), "cpu": cpu_identity() if device == "cpu" else None,
             "threads": torch.get_num_threads(), "torch": p["torch_version"], "python": p["python_version"],
             "platform": p["hostname_platform"], "load_average_start": load_average()}
+
+
+def save_run(prefix: str, result: dict, text: str) -> None:
+    """A stored benchmark run: ``result`` as PREFIX.json (atomically), its table ``text`` as PREFIX.md."""
+    atomic_write_json(prefix + ".json", result)
+    with open(prefix + ".md", "w") as f:
+        f.write(text)

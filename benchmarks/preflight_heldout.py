@@ -44,7 +44,7 @@ import lowprec_demo as lp
 from lowprec_demo.book import finetune as ft
 from lowprec_demo.book.results import atomic_write_json
 from lowprec_demo.monitor import preflight as pre
-from machine import cpu_label, load_average, machine_record
+from machine import cpu_label, load_average, machine_record, save_run
 
 NEEDS, NONE, TRL_RECALL = 0.10, 0.02, 0.30
 
@@ -249,8 +249,7 @@ def main(argv=None) -> int:
         held = json.loads(open(args.out + ".json").read())
         held["verdicts"] = verdicts(held["rows"], held["cutoff"])
         held["calibration"]["verdicts_at_fixed_cutoff"] = verdicts(held["calibration"]["rows"], held["cutoff"])
-        atomic_write_json(args.out + ".json", held)
-        open(args.out + ".md", "w").write(report(held["calibration"], held) + "\n")
+        save_run(args.out, held, report(held["calibration"], held) + "\n")
         return 0
     cal = json.loads(open(args.calibration).read())
     commit = subprocess.run(["git", "log", "-1", "--format=%h %cI", "--", "lowprec_demo/monitor/preflight.py"],
@@ -260,9 +259,8 @@ def main(argv=None) -> int:
     held = dict(rows=rows, cutoff=pre.CUTOFF, cutoff_fixed=f"in commit {commit}", verdicts=verdicts(rows, pre.CUTOFF),
                 command=command, machine=machine, machine_label=cpu_label(machine["cpu"]) if machine["cpu"] else "",
                 date=machine["date"][:10], load_average_end=load_average(), calibration=cal)
-    atomic_write_json(args.out + ".json", held)
     text = report(cal, held)
-    open(args.out + ".md", "w").write(text + "\n")
+    save_run(args.out, held, text + "\n")
     print(text)
     return 0
 

@@ -30,9 +30,8 @@ import time
 import torch
 
 import lowprec_demo as lp
-from lowprec_demo.book.results import atomic_write_json
 from lowprec_demo.monitor import report as report_module
-from machine import cpu_label, machine_record
+from machine import cpu_label, machine_record, save_run
 
 TARGETS = {"time_ratio": 1.25, "size_ratio": 1.5}
 
@@ -128,9 +127,7 @@ def main(argv=None) -> None:
     text = markdown(result)
     print(text)
     if args.out:
-        atomic_write_json(args.out + ".json", result)
-        with open(args.out + ".md", "w") as f:
-            f.write(text)
+        save_run(args.out, result, text)
 
 
 if __name__ == "__main__":
