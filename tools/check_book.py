@@ -13,6 +13,16 @@ What it checks (the targets of a book a newcomer finishes in an evening):
   (so the prose's numbers come from the cells), and the numbered chapters use glue;
 * "What's next": the introduction and each chapter link first to the next chapter of the toc;
 * no page speaks of how the project is made (issues, sessions, pull requests, commits);
+* what a reader sees on the introduction and the chapters (:func:`page_problems`): figures shown at
+  most :data:`MAX_FIGURE_PX` CSS pixels wide (the output column of a 1,280-pixel window, so that a
+  figure is not shrunk and its 10-point text reads at the body's small print) from PNGs of twice
+  those pixels; animations that work offline (no stylesheet from a CDN) at the same width; a slider
+  box shown once, and beside every one a version without a kernel (an animation); no environment
+  variable, no ``NBVAL_`` marker in a code cell a reader sees, no path into ``benchmarks/`` in the
+  prose, no progress bar stored;
+* exercises (:func:`exercises`): each numbered chapter ends with two or three, a markdown cell that
+  starts "**Exercise N.**" each, each followed by its answer in a collapsed cell (a code cell
+  tagged ``hide-cell``, or a markdown ``dropdown``);
 * the README's first screen: at most 9,000 characters in all, a Python snippet of at most ten
   lines before the first section that is not about reading, links to Colab (chapter 2) and Binder,
   the two commands, no commit hashes.
@@ -34,10 +44,15 @@ MAX_WORDS_TOTAL = 12000
 MAX_MINUTES = 120
 MAX_README_CHARS = 9000
 HIDDEN = {"remove-cell", "remove-input"}
-GLUE_ROLE = re.compile(r"\{glue(?::text|:md|:math)?\}`([^`:]+)(?::[^`]*)?`")
+GLUE_ROLE = re.compile(r"\{glue(?::text|:md|:math)?\}`((?:[^`:]+::)?[^`:]+)(?::[^`]*)?`")
 GLUE_MIME = "application/papermill.record/"
 MAKING = re.compile(r"\b(issues?|sessions?|pull requests?|commits? [0-9a-f]{7,40})\b", re.IGNORECASE)
 HASH = re.compile(r"\b(?:commit|at|from)\s+`?[0-9a-f]{7,40}\b")
+MAX_FIGURE_PX = 700
+EXERCISES = (2, 3)
+ENV_VAR = re.compile(r"\b(?:LOWPREC|OMP|CUDA)_[A-Z_]+\b")
+WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
+COLLAPSED = {"hide-cell", "hide-input", "hide-output"}
 TIME_TO_LEARN = re.compile(r"Time to learn\**:?\**\s*:?\s*(?:about\s+)?(\d+)\s*(minutes?|min|hours?|h)\b", re.IGNORECASE)
 
 
@@ -81,6 +96,112 @@ def glued_keys(nb) -> set:
                 if name:
                     keys.add(name)
     return keys
+
+
+def glue_missing(page: str, nb, roles: list) -> list:
+    """The glue roles of ``page`` whose key no stored output glues: ``key`` in ``nb`` itself,
+    ``path::key`` in the notebook at ``path`` (relative to the page, as myst-nb resolves it)."""
+    missing, own = [], glued_keys(nb)
+    for role in roles:
+        if "::" in role:
+            path, key = role.split("::", 1)
+            other = (REPO / page).parent / path
+            if not other.suffix:
+                other = other.with_suffix(".ipynb")
+            if not other.is_file() or key not in glued_keys(json.loads(other.read_text(encoding="utf-8"))):
+                missing.append(role)
+        elif role not in own:
+            missing.append(role)
+    return sorted(set(missing))
+
+
+def _tags(cell) -> set:
+    return set(cell.get("metadata", {}).get("tags", []))
+
+
+def _shown_outputs(cell):
+    """The outputs a reader sees of a code cell (none where the cell or its output is removed)."""
+    if cell["cell_type"] != "code" or _tags(cell) & {"remove-cell", "remove-output"}:
+        return []
+    return cell.get("outputs", [])
+
+
+def _texts(out) -> list:
+    if out.get("output_type") == "stream":
+        return [source({"source": out.get("text", "")})]
+    data = out.get("data", {})
+    return [source({"source": v}) for k, v in data.items() if k in ("text/plain", "text/html", "text/markdown")
+            and not k.startswith(GLUE_MIME)]
+
+
+def page_problems(page: str, nb) -> list:
+    """What a reader should not meet on a page built from ``nb``: see the module's docstring."""
+    problems, widgets, animations = [], [], 0
+    md = markdown_of(".ipynb", nb)
+    for m in ENV_VAR.finditer(md):
+        problems.append(f"{page}: the prose names the environment variable {m.group(0)}")
+    bench = re.search(r"benchmarks/\S+", md)
+    if bench:
+        problems.append(f"{page}: the prose names a path into benchmarks/ ({bench.group(0)})")
+    for i, cell in enumerate(nb["cells"]):
+        if cell["cell_type"] != "code":
+            continue
+        if not _tags(cell) & {"remove-cell", "remove-input"} and "NBVAL_" in source(cell):
+            problems.append(f"{page}: cell {i} shows a reader an NBVAL_ marker (tag the cell remove-input)")
+        shown = _shown_outputs(cell)
+        n_widgets = sum(WIDGET_MIME in out.get("data", {}) for out in shown)
+        if n_widgets:
+            widgets.append(i)
+        if n_widgets > 1:
+            problems.append(f"{page}: cell {i} shows {n_widgets} slider boxes (one is meant)")
+        for out in shown:
+            texts = _texts(out)
+            for text in texts:
+                m = ENV_VAR.search(text)
+                if m:
+                    problems.append(f"{page}: cell {i}'s output names the environment variable {m.group(0)}")
+                if re.search(r"\d+/\d+ \[\d+:\d+<", text):
+                    problems.append(f"{page}: cell {i} stores a progress bar")
+            html = source({"source": out.get("data", {}).get("text/html", "")})
+            if "_anim_img" in html:
+                animations += 1
+                if re.search(r"<link[^>]+href=\"https?://", html):
+                    problems.append(f"{page}: cell {i}'s animation loads a stylesheet from the network (blank offline)")
+                width = re.search(r'id="_anim_img\w+" style="[^"]*max-width: (\d+)px', html)
+                if not width or int(width.group(1)) > MAX_FIGURE_PX:
+                    problems.append(f"{page}: cell {i}'s animation is not held to {MAX_FIGURE_PX} px "
+                                    f"({'max-width ' + width.group(1) + ' px' if width else 'no max-width'})")
+            if "image/png" in out.get("data", {}):
+                meta = out.get("metadata", {}).get("image/png", {})
+                if "width" not in meta:
+                    problems.append(f"{page}: cell {i} shows a PNG of one pixel per CSS pixel (not retina: "
+                                    f"use_book_style() sets it)")
+                elif int(meta["width"]) > MAX_FIGURE_PX:
+                    problems.append(f"{page}: cell {i} shows a figure {meta['width']} px wide, shrunk in the "
+                                    f"{MAX_FIGURE_PX}-px column (at most {MAX_FIGURE_PX / 100:g} inches at 100 dpi)")
+    if widgets and not animations:
+        problems.append(f"{page}: sliders (cells {widgets}) and no version without a kernel (an animation)")
+    return problems
+
+
+def exercises(nb) -> tuple[int, list]:
+    """(how many exercises, the numbers of those without a collapsed answer right after them):
+    an exercise is a markdown cell that starts "**Exercise N.**"; its answer is the next cell,
+    a code cell tagged hide-cell (or hide-input) or a markdown cell with a ``dropdown``."""
+    found, unanswered = 0, []
+    cells = nb["cells"]
+    for i, cell in enumerate(cells):
+        m = re.match(r"\s*\*\*Exercise (\d+)\.?\*\*", source(cell)) if cell["cell_type"] == "markdown" else None
+        if not m:
+            continue
+        found += 1
+        nxt = cells[i + 1] if i + 1 < len(cells) else None
+        collapsed = nxt is not None and (
+            (nxt["cell_type"] == "code" and _tags(nxt) & COLLAPSED)
+            or (nxt["cell_type"] == "markdown" and re.search(r":class:\s*dropdown|\{dropdown\}", source(nxt))))
+        if not collapsed:
+            unanswered.append(int(m.group(1)))
+    return found, unanswered
 
 
 def visible_asserts(nb) -> list[int]:
@@ -149,11 +270,19 @@ def main() -> int:
                 problems.append(f"{page}: asserts a reader sees in cells {asserts} (tag them remove-cell or remove-input)")
             roles = GLUE_ROLE.findall(md)
             row["glue roles"] = len(roles)
-            missing = sorted(set(roles) - glued_keys(doc))
+            missing = glue_missing(page, doc, roles)
             if missing:
                 problems.append(f"{page}: glue roles with no glued output in the stored notebook: {missing}")
         for m in MAKING.finditer(md):
             problems.append(f"{page}: speaks of how the project is made: {m.group(0)!r}")
+        if is_numbered and kind == ".ipynb":
+            problems.extend(page_problems(page, doc))
+            if page != numbered[0]:
+                n, unanswered = exercises(doc)
+                if not EXERCISES[0] <= n <= EXERCISES[1]:
+                    problems.append(f"{page}: {n} exercises (two or three: markdown cells that start '**Exercise N.**')")
+                if unanswered:
+                    problems.append(f"{page}: exercises {unanswered} have no collapsed answer in the next cell")
         if is_numbered:
             total_words += words
             row["minutes"] = minutes(md)

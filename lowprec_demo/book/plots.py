@@ -102,10 +102,10 @@ def plot_frozen(result, ax=None, threshold: Optional[float] = None, show_sr: boo
         ax.axvline(step, color=color, ls=":", lw=1.2)
         ax.annotate(f"{name}: step {step}", (step, 0.04 + 0.09 * (len(marks) - 1 - k)),
                     xycoords=("data", "axes fraction"), textcoords="offset points", xytext=(4, 0),
-                    color=color, fontsize=8)
+                    color=color, fontsize=9)
     ax.set(ylim=(-0.02, 1.02), xlabel="step", ylabel="fraction of elements not moved",
            title=title or f"{result.experiment}, {result.format}: frozen fraction (threshold {threshold})")
-    ax.legend(frameon=False, fontsize=8, loc="center right")
+    ax.legend(frameon=False, fontsize=9, loc="center right")
     return ax
 
 
@@ -148,7 +148,7 @@ def plot_baselines(result, ax=None, threshold: Optional[float] = None, title: Op
     ax.set(ylim=(-0.02, 1.02), xlabel="step", ylabel="fraction of elements not moved",
            title=title or f"{result.experiment}, {result.format}: predictors against the observed freeze")
     # six curves with their errors: the legend below the axes, in two columns, off the curves
-    ax.legend(frameon=False, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=2)
+    ax.legend(frameon=False, fontsize=9, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=2)
     return ax
 
 
@@ -167,7 +167,7 @@ def plot_element_agreement(result, ax=None, title: Optional[str] = None):
     ax.set_ylim(bottom=0)
     ax.set(xlabel="step", ylabel="fraction of elements that disagree",
            title=title or f"{result.experiment}, {result.format}: element by element")
-    ax.legend(frameon=False, fontsize=8, loc="best")
+    ax.legend(frameon=False, fontsize=9, loc="best")
     return ax
 
 
@@ -202,7 +202,7 @@ def plot_frozen_by_tensor(result, ax=None, names: Optional[List[str]] = None, ma
                     lw=1.4, label="_observed " + name)
     ax.set(ylim=(-0.02, 1.02), xlabel="step", ylabel="frozen fraction",
            title="per tensor: predicted (wide, pale), observed (thin)")
-    label_lines(ax, fontsize=7, min_gap=0.045)
+    label_lines(ax, fontsize=9, min_gap=0.045)
     return ax
 
 
@@ -229,10 +229,10 @@ def plot_freeze_sweep(rows: Sequence[dict], ax=None, color_by: str = "man_bits",
     missing = [r for r in rows if r.get("predicted") is None or r.get("observed") is None]
     if missing:
         ax.text(0.02, 0.96, f"{len(missing)} run(s) without a freeze step", transform=ax.transAxes,
-                fontsize=8, va="top")
+                fontsize=9, va="top")
     ax.set(xlabel="predicted freeze step (from the high-precision run)",
            ylabel="observed freeze step (round to nearest)", title=title or "freeze step: predicted vs observed")
-    ax.legend(frameon=False, fontsize=8)
+    ax.legend(frameon=False, fontsize=9)
     return ax
 
 
@@ -262,7 +262,7 @@ def plot_grid(fmt, lo: float = 0.0, hi: float = 4.0, ax=None, y: float = 0.0, co
     f = get_format(fmt)
     ax.vlines(v, y - 0.35, y + 0.35, color=color or PALETTE["blue"], lw=1.0)
     ax.text(lo, y + 0.42, label or f"{f.name} (E{f.exp_bits}M{f.man_bits}): {len(v)} values in [{lo:g}, {hi:g}]",
-            fontsize=8)
+            fontsize=9)
     ax.set_xlim(lo, hi)
     ax.set_yticks([])
     ax.set_xlabel("value")
@@ -299,7 +299,7 @@ def plot_ratio_histogram(result, ax=None, fmt: Optional[str] = None):
     ax.axvline(-1, color=COLORS["nearest"], ls=(0, (5, 2)), lw=1.2, label="half a gap: nearest freezes left of it")
     ax.set(xlabel="log2(|update| / gap)  (leftmost bar: zero updates and ratios below 2^-24)",
            ylabel="fraction of element-steps")
-    ax.legend(frameon=False, fontsize=8)
+    ax.legend(frameon=False, fontsize=9)
     return ax
 
 
@@ -336,6 +336,6 @@ def plot_remedies(comparison, ax=None, relative: bool = False, title: Optional[s
     if relative:
         ax.yaxis.set_major_formatter(plt.matplotlib.ticker.PercentFormatter(1.0))
     if legend:
-        ax.legend(fontsize=7, frameon=False, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+        ax.legend(fontsize=9, frameon=False, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.set_title(title or comparison.main.experiment)
     return ax

@@ -7,6 +7,7 @@ Example:
 
 from __future__ import annotations
 
+import re
 from typing import Any, Callable, Dict, Sequence
 
 import matplotlib.pyplot as plt
@@ -61,15 +62,16 @@ def lr_slider(value: float = 0.1, low_exp: float = -4, high_exp: float = 0, desc
                             continuous_update=False, style={"description_width": "initial"}, readout_format=".2g")
 
 
-def interact(draw: Callable[..., Any], figsize=(8, 4), ncols: int = 1, **controls):
-    """Redraw ``draw(axes, **values)`` whenever a control (a slider or a fixed value) changes; returns
-    the widget box. Without ipywidgets, draws the initial values once and says so."""
+def interact(draw: Callable[..., Any], figsize=(7.0, 3.2), ncols: int = 1, **controls) -> None:
+    """Show the sliders and ``draw(axes, **values)`` below them, redrawn whenever a control (a slider
+    or a fixed value) changes. It displays the box itself and returns None, so a cell that ends with
+    the call shows the box once. Without ipywidgets, draws the initial values once and says so."""
     if not has_widgets():
         print("ipywidgets is not installed: showing the initial values only (pip install ipywidgets)")
         fig, axes = plt.subplots(1, ncols, figsize=figsize)
         draw(axes, **{k: getattr(v, "value", v) for k, v in controls.items()})
         plt.show()
-        return None
+        return
     import ipywidgets as w
     from IPython.display import display
 
@@ -88,16 +90,38 @@ def interact(draw: Callable[..., Any], figsize=(8, 4), ncols: int = 1, **control
     w.interactive_output(redraw, sliders)
     box = w.VBox([w.HBox(list(sliders.values())), out])
     display(box)
-    return box
 
 
-def animate(draw: Callable[..., Any], name: str, values: Sequence, figsize=(8, 4), ncols: int = 1,
+# The play buttons of matplotlib's HTML animation are Font Awesome icons from a CDN: blank offline.
+# The same buttons as characters every font has (U+FE0E asks for the text form, not an emoji).
+_ICONS = {"fa-minus": "\u2212", "fa-fast-backward": "|\u25c0\ufe0e\u25c0\ufe0e",
+          "fa-step-backward": "|\u25c0\ufe0e", "fa-play fa-flip-horizontal": "\u25c0\ufe0e",
+          "fa-pause": "\u275a\u275a", "fa-play": "\u25b6\ufe0e", "fa-step-forward": "\u25b6\ufe0e|",
+          "fa-fast-forward": "\u25b6\ufe0e\u25b6\ufe0e|", "fa-plus": "+"}
+_ICON = re.compile(r'<i class="fa ([^"]+)"></i>')
+_CDN_LINK = re.compile(r'<link rel="stylesheet"\s+href="https?://[^"]*font-awesome[^"]*">\s*')
+
+
+def offline_animation_html(html: str, width_px: int) -> str:
+    """matplotlib's ``to_jshtml`` page made to work offline and to read at the page's width: the
+    CDN stylesheet dropped, each button icon a character (:data:`_ICONS`), and the frame shown at
+    ``width_px`` CSS pixels at most (frames drawn at twice that are sharp on every screen)."""
+    html = _CDN_LINK.sub("", html)
+    html = _ICON.sub(lambda m: _ICONS[m.group(1)], html)
+    return re.sub(r'<img id="(_anim_img[0-9a-f]+)">',
+                  rf'<img id="\1" style="width: 100%; max-width: {width_px}px; height: auto;">', html)
+
+
+def animate(draw: Callable[..., Any], name: str, values: Sequence, figsize=(7.0, 3.2), ncols: int = 1,
             interval: int = 900, fixed: Dict[str, Any] = None):
     """A slider without a kernel: ``draw(axes, **{name: value}, **fixed)`` for each value, as one
-    HTML animation with a frame slider, which stays interactive on the static site."""
+    HTML animation with a frame slider, which stays interactive on the static site and offline
+    (:func:`offline_animation_html`). The title names the value as ``label`` says (the axis label
+    of ``name``; ``man_bits`` reads "mantissa bits")."""
     from IPython.display import HTML
 
     fixed = fixed or {}
+    label = _LABELS.get(name, name.replace("_", " "))
     fig, axes = plt.subplots(1, ncols, figsize=figsize)
     axes_list = list(axes) if ncols > 1 else [axes]
 
@@ -105,11 +129,16 @@ def animate(draw: Callable[..., Any], name: str, values: Sequence, figsize=(8, 4
         for ax in axes_list:
             ax.clear()
         draw(axes if ncols > 1 else axes_list[0], **fixed, **{name: values[i]})
-        fig.suptitle(f"{name} = {values[i]}", fontsize=10)
+        fig.suptitle(f"{label} = {values[i]}", fontsize=10)
         fig.tight_layout()
         return []
 
     anim = animation.FuncAnimation(fig, frame, frames=len(values), interval=interval, blit=False)
+    dpi = plt.rcParams["figure.dpi"]
+    fig.set_dpi(2 * dpi)     # frames at twice the page's pixels, shown at the page's size
     html = anim.to_jshtml(default_mode="once")
     plt.close(fig)
-    return HTML(html)
+    return HTML(offline_animation_html(html, round(figsize[0] * dpi)))
+
+
+_LABELS = {"man_bits": "mantissa bits", "exp_bits": "exponent bits", "lr": "learning rate"}

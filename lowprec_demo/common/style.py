@@ -38,16 +38,27 @@ LABELS = {"reference": "fp32 reference", "nearest": "round to nearest", "stochas
 # Colours, then line styles, for families of curves (per tensor, per format, per seed).
 _CYCLE_COLORS = ("blue", "vermillion", "green", "orange", "purple", "sky", "black", "yellow")
 _CYCLE_STYLES = ("-", (0, (5, 2)), (0, (1, 1.5)), (0, (6, 1.5, 1, 1.5)))
-BOOK_RC = {"figure.dpi": 100, "savefig.dpi": 100, "font.size": 10, "axes.titlesize": 11, "axes.labelsize": 10,
-           "legend.fontsize": 9, "xtick.labelsize": 9, "ytick.labelsize": 9, "lines.linewidth": 1.8,
+# Figures are at most 7 inches wide (700 CSS pixels at 100 dpi, the page's output column), so that
+# text of 9 points and more reads at the body's small print (tools/check_book.py checks the width).
+BOOK_RC = {"figure.dpi": 100, "savefig.dpi": 100, "font.size": 10.5, "axes.titlesize": 11, "axes.labelsize": 10.5,
+           "legend.fontsize": 10, "xtick.labelsize": 10, "ytick.labelsize": 10, "figure.figsize": (7.0, 3.6), "lines.linewidth": 1.8,
            "axes.spines.top": False, "axes.spines.right": False, "axes.grid": True, "grid.color": "0.9",
            "grid.linewidth": 0.6, "legend.frameon": False,
            "axes.prop_cycle": plt.cycler(color=[PALETTE[c] for c in _CYCLE_COLORS[:6]])}
 
 
 def use_book_style() -> None:
-    """Set matplotlib's defaults to the book's style (:data:`BOOK_RC`); the chapters call it once."""
+    """Set matplotlib's defaults to the book's style (:data:`BOOK_RC`); the chapters call it once.
+    In a notebook, figures are also shown as PNGs of twice the pixels at the same size ("retina"),
+    sharp on the page at any zoom."""
     plt.rcParams.update(BOOK_RC)
+    try:
+        from IPython import get_ipython
+        from matplotlib_inline.backend_inline import set_matplotlib_formats
+    except ImportError:
+        return
+    if get_ipython() is not None:
+        set_matplotlib_formats("retina")
 
 
 def style(name: str) -> dict:
@@ -73,7 +84,7 @@ def tensor_styles(names: Iterable[str]) -> dict:
     return {name: series_style(i) for i, name in enumerate(sorted(set(names)))}
 
 
-def label_lines(ax, fontsize: float = 8, min_gap: float = 0.05, x: Optional[float] = None, **kwargs):
+def label_lines(ax, fontsize: float = 10, min_gap: float = 0.05, x: Optional[float] = None, **kwargs):
     """Label each labelled line of ``ax`` at its right end (or at ``x``), in its colour, instead of
     a legend; labels closer than ``min_gap`` (of the axes' height) are pushed apart. Returns them."""
     lines = [ln for ln in ax.get_lines() if ln.get_label() and not ln.get_label().startswith("_")]

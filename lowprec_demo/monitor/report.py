@@ -302,7 +302,7 @@ class WatchReport:
         ax.set(ylim=(-0.02, 1.02), xlabel="step",
                ylabel=f"fraction frozen ({'predicted' if d['mode'] == 'predict' else 'observed'})")
         ax.set_title(f"freeze watch, {f}" + (" (dashed: forecast)" if ahead else ""), fontsize=10)
-        ax.legend(frameon=False, fontsize=8)
+        ax.legend(frameon=False, fontsize=9)
         return ax
 
 

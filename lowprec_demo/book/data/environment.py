@@ -208,7 +208,7 @@ def fetch(filename: str, url: str, sha256: str, timeout: float = 30) -> tuple[Pa
             if actual != sha256:
                 raise ChecksumError(f"{local} (from LOWPREC_DATA_DIR) has sha256 {actual}, expected {sha256}; "
                                     f"replace it with a good copy of {url} or unset LOWPREC_DATA_DIR")
-            return local, f"{filename} from LOWPREC_DATA_DIR, sha256 verified"
+            return local, f"{filename} from the local data folder, sha256 verified"
 
     cached = cache_dir() / filename
     if cached.is_file():

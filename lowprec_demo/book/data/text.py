@@ -134,7 +134,7 @@ def _gpt2_encoding(timeout: float):
     except ImportError:
         return None, "tiktoken is not installed"
     if is_offline() and not _tiktoken_gpt2_cached():
-        return None, "LOWPREC_OFFLINE is set and tiktoken's cache has no GPT-2 files"
+        return None, "running offline, and tiktoken's cache has no GPT-2 files"
     if _gpt2_stuck is not None and _gpt2_stuck.is_alive():
         return None, "an earlier attempt to load it is still waiting on the network"
 
