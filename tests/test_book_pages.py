@@ -51,7 +51,8 @@ ANIMATION_OK = '<img id="_anim_img0a1" style="width: 100%; max-width: 700px; hei
 
 def test_a_clean_page_passes():
     check = _check_book()
-    nb = {"cells": [_md("# A page\n\nProse."), _code(outputs=[_png(594)]), _code(outputs=[_widget()]),
+    nb = {"cells": [_md("# A page\n\nProse."), _code(outputs=[_png(594)]),
+                    _code("widgets.interact(draw, man_bits=s)", outputs=[_widget()], tags=["remove-output"]),
                     _code(outputs=[_html(ANIMATION_OK)]),
                     _code("x = 1  # NBVAL_CHECK_OUTPUT", tags=["remove-input"])]}
     assert check.page_problems("book/x", nb) == []
@@ -61,7 +62,8 @@ def test_a_clean_page_passes():
     ([_code(outputs=[_png()])], "not retina"),
     ([_code(outputs=[_png(1290)])], "1290 px wide"),
     ([_code(outputs=[_widget(), _widget()]), _code(outputs=[_html(ANIMATION_OK)])], "2 slider boxes"),
-    ([_code(outputs=[_widget()])], "no version without a kernel"),
+    ([_code("interact(draw)", outputs=[_widget()], tags=["remove-output"])], "no version without a kernel"),
+    ([_code("widgets.interact(draw)", outputs=[_widget()]), _code(outputs=[_html(ANIMATION_OK)])], "look live"),
     ([_code(outputs=[_html('<link rel="stylesheet" href="https://cdn.example/font-awesome.css">' + ANIMATION_OK)])],
      "stylesheet from the network"),
     ([_code(outputs=[_html('<img id="_anim_img0a1">')])], "no max-width"),

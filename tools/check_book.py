@@ -17,7 +17,9 @@ What it checks (the targets of a book a newcomer finishes in an evening):
   most :data:`MAX_FIGURE_PX` CSS pixels wide (the output column of a 1,280-pixel window, so that a
   figure is not shrunk and its 10-point text reads at the body's small print) from PNGs of twice
   those pixels; animations that work offline (no stylesheet from a CDN) at the same width; a slider
-  box shown once, and beside every one a version without a kernel (an animation); no environment
+  box shown once, never on the static site (where it looks live but redraws nothing: the cell that
+  calls ``interact(`` is tagged ``remove-output``), and beside every one a version without a kernel
+  (an animation); no environment
   variable, no ``NBVAL_`` marker in a code cell a reader sees, no path into ``benchmarks/`` in the
   prose, no progress bar stored;
 * exercises (:func:`exercises`): each numbered chapter ends with two or three, a markdown cell that
@@ -150,8 +152,12 @@ def page_problems(page: str, nb) -> list:
             problems.append(f"{page}: cell {i} shows a reader an NBVAL_ marker (tag the cell remove-input)")
         shown = _shown_outputs(cell)
         n_widgets = sum(WIDGET_MIME in out.get("data", {}) for out in shown)
-        if n_widgets:
+        if re.search(r"\binteract\(", source(cell)):
             widgets.append(i)
+            if not _tags(cell) & {"remove-output", "remove-cell"}:
+                problems.append(f"{page}: cell {i}'s sliders would show on the static site, where they look live but "
+                                f"redraw nothing without a kernel: tag the cell remove-output (the animation beside "
+                                f"it is the static version; the sliders work in Binder, Colab or a local kernel)")
         if n_widgets > 1:
             problems.append(f"{page}: cell {i} shows {n_widgets} slider boxes (one is meant)")
         for out in shown:
