@@ -1,6 +1,6 @@
 """The book a reader gets: tools/check_book.py's targets (prose, time to learn, no visible assert,
-glued numbers, the order of "What's next", the README's first screen), and the README's remedy
-table against chapter 9's stored outputs (tools/readme_table.py)."""
+glued numbers, the order of "What's next", the README's first screen), and the README's numbers
+against the chapters' stored outputs (tools/readme_table.py)."""
 
 import importlib.util
 import subprocess
@@ -22,17 +22,21 @@ def test_the_book_meets_its_reader_targets():
     assert run.returncode == 0, run.stdout + run.stderr
 
 
-def test_the_readme_remedy_table_is_chapter_9s_stored_output():
+def test_the_readmes_numbers_are_the_books_stored_outputs():
     readme_table = _tool("readme_table")
-    values = readme_table.glued()
+    values = readme_table.values()
     readme = (REPO / "README.md").read_text(encoding="utf-8")
-    assert readme_table.both(readme, values) == readme, (
-        "README.md's tables differ from chapter 9's glued values: python tools/readme_table.py --write\n"
-        + readme_table.table(values) + "\n" + readme_table.finetune_table(values))
+    for name in readme_table.BLOCKS:
+        assert f"<!-- {name}: begin -->" in readme and f"<!-- {name}: end -->" in readme, name
+    assert readme_table.filled(readme, values) == readme, (
+        "README.md's numbers differ from the chapters' glued values: python tools/readme_table.py --write\n"
+        + "\n\n".join(make(values) for make in readme_table.BLOCKS.values()))
     for name in ("fp32", "nearest", "stochastic", "master"):
         assert f"ch9_gap_{name}" in values and f"ch9_bytes_{name}" in values, sorted(values)
     for name in ("bf16", "lp_stochastic", "lp_preflight", "lp_plan"):
         assert f"ch9_ft_closed_{name}" in values and f"ch9_ft_time_{name}" in values, sorted(values)
+    claim = readme_table.nanogpt_claim(values)          # the nanoGPT claim: the wall's step within the seeds' spread
+    assert "within the spread over seeds" in claim and "seed 0" in claim and "at the predicted step" not in readme
 
 
 def test_check_book_finds_what_it_looks_for(tmp_path):
