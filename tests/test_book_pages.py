@@ -3,9 +3,11 @@ environment variables, markers, progress bars, exercises, glue from another note
 problem they look for and pass a clean page; the package's animation works offline and at the page's
 width; the slider helper shows its box once."""
 
+import base64
 import importlib.util
 import json
 import re
+import struct
 from pathlib import Path
 
 import pytest
@@ -119,7 +121,11 @@ def test_the_animation_works_offline_at_the_page_width():
     assert "font-awesome" not in html and not re.search(r"<link[^>]+https?://", html)
     assert 'class="fa' not in html and "\u25b6" in html            # the play button is a character
     assert re.search(r'<img id="_anim_img\w+" style="width: 100%; max-width: 600px; height: auto;">', html)
-    assert len(re.findall(r"frames\[\d+\] = \"data:image/png;base64", html)) == 2
+    frames = re.findall(r'frames\[\d+\] = "data:image/png;base64,([^"]+)"', html)
+    assert len(frames) == 2
+    png = base64.b64decode(re.sub(r"[^A-Za-z0-9+/=]", "", frames[0]))
+    width = struct.unpack(">I", png[16:20])[0]                     # the PNG header's width
+    assert width >= 2 * 560, width                                 # twice the pixels of 6 inches at 100 dpi
     assert _check_book().page_problems("book/x", {"cells": [_code(outputs=[_html(html)])]}) == []
 
 

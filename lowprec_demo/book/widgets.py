@@ -135,8 +135,8 @@ def animate(draw: Callable[..., Any], name: str, values: Sequence, figsize=(7.0,
 
     anim = animation.FuncAnimation(fig, frame, frames=len(values), interval=interval, blit=False)
     dpi = plt.rcParams["figure.dpi"]
-    fig.set_dpi(2 * dpi)     # frames at twice the page's pixels, shown at the page's size
-    html = anim.to_jshtml(default_mode="once")
+    with plt.rc_context({"savefig.dpi": 2 * dpi}):    # frames at twice the page's pixels, shown at its size
+        html = anim.to_jshtml(default_mode="once")
     plt.close(fig)
     return HTML(offline_animation_html(html, round(figsize[0] * dpi)))
 
