@@ -97,7 +97,16 @@ def _strip(text) -> str:
 
 def nanogpt_claim(v: dict) -> str:
     """Chapter 6's claim as the evidence supports it: one fp32 run predicts the frozen share, and the wall's step
-    within the spread over seeds, with the chapter's seed 0 and how far it misses said."""
+    within the spread over seeds, with how far the chapter's seed 0 misses said. Chapter 6 glues it over its
+    seeds (``ch6_seed_gaps``, ``ch6_seed_step_spread``); a chapter stored before it did is read with the nanoGPT appendix."""
+    if "ch6_seed_gaps" in v:
+        gaps = _strip(v["ch6_seed_gaps"])
+        n = len(re.split(r", | and ", gaps))
+        return (f"trains like fp32, then stalls; one fp32 run predicts the frozen share (curve error "
+                f"{v['ch6_curve_error']:.3f}) and the wall's step within the spread over seeds: bf16 stalls {gaps} "
+                f"steps from it on {n} seeds (seed 0, the chapter's, {_strip(v['ch6_step_verdict'])} the tolerance "
+                f"of {v['ch6_tolerance']}), while the seed moves the step by {v['ch6_seed_step_spread']}; validation loss "
+                f"{v['ch6_val_gap_nearest']:+.3f} above fp32 (stochastic rounding {v['ch6_val_gap_sr']:+.4f})")
     verdict, misses = _strip(v["ch6_step_verdict"]), _strip(v["app_nanogpt_bf16_misses"])
     if verdict == "outside" and misses != f"seed 0, {v['ch6_step_gap']} steps apart":
         raise SystemExit(f"chapter 6 (seed 0, {v['ch6_step_gap']} steps apart) and appendix_nanogpt ({misses!r}) "
