@@ -140,3 +140,17 @@ def test_interact_shows_its_box_once(monkeypatch):
     monkeypatch.setattr("IPython.display.display", lambda *objs, **kw: shown.extend(objs))
     result = widgets.interact(lambda ax, man_bits: ax.plot([0, man_bits]), man_bits=widgets.mantissa_slider(3))
     assert result is None and len(shown) == 1
+
+
+def test_glue_from_another_notebook_needs_a_format(tmp_path, monkeypatch, capsys):
+    """myst-nb 1.4 splits ``path::key`` at its last ':' when no format follows (key 'path:')."""
+    check = _check_book()
+    monkeypatch.setattr(check, "toc_pages", lambda: (["book/intro"], []))
+    monkeypatch.setattr(check, "load", lambda page: (".ipynb", {"cells": [
+        _md("at {glue:text}`06_nanogpt.ipynb::ch6_claim` and {glue:text}`06_nanogpt.ipynb::ch6_step:d`")]}))
+    monkeypatch.setattr(check, "check_readme", lambda problems: {"chars": 0, "snippet_lines": 0})
+    monkeypatch.setattr(check, "glue_missing", lambda page, nb, roles: [])
+    assert check.main() == 1
+    report = capsys.readouterr().out
+    assert "06_nanogpt.ipynb::ch6_claim` names another notebook without a format" in report
+    assert "ch6_step" not in report.split("problem(s):")[1]

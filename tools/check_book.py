@@ -275,6 +275,9 @@ def main() -> int:
             if asserts:
                 problems.append(f"{page}: asserts a reader sees in cells {asserts} (tag them remove-cell or remove-input)")
             roles = GLUE_ROLE.findall(md)
+            for m in re.finditer(r"\{glue(?::text)?\}`([^`:]+::[^`:]+)`", md):
+                problems.append(f"{page}: the glue role {m.group(0)} names another notebook without a format: myst-nb "
+                                f"reads its last ':' as one; write {m.group(1)}:s (text) or :d (a count)")
             row["glue roles"] = len(roles)
             missing = glue_missing(page, doc, roles)
             if missing:
