@@ -56,7 +56,8 @@ def test_a_clean_page_passes():
     nb = {"cells": [_md("# A page\n\nProse."), _code(outputs=[_png(594)]),
                     _code("widgets.interact(draw, man_bits=s)", outputs=[_widget()], tags=["remove-output"]),
                     _code(outputs=[_html(ANIMATION_OK)]),
-                    _code("x = 1  # NBVAL_CHECK_OUTPUT", tags=["remove-input"])]}
+                    _code("x = 1  # NBVAL_CHECK_OUTPUT", tags=["remove-input"]),
+                    _code("# LOWPREC_SCALE=full runs the full size", tags=["hide-input"])]}
     assert check.page_problems("book/x", nb) == []
 
 
@@ -74,6 +75,7 @@ def test_a_clean_page_passes():
     ([_code(outputs=[{"output_type": "stream", "name": "stdout", "text": "data from LOWPREC_DATA_DIR"}])],
      "LOWPREC_DATA_DIR"),
     ([_md("See benchmarks/costs.md.")], "benchmarks/costs.md"),
+    ([_code("SCALE = 'quick'  # LOWPREC_SCALE=full for the full size")], "in its code"),
     ([_code("y = 2  # NBVAL_CHECK_OUTPUT")], "NBVAL_ marker"),
     ([_code(outputs=[{"output_type": "stream", "name": "stderr", "text": "100%|##| 3/3 [01:41<00:00, 32.88s/it]"}])],
      "progress bar"),

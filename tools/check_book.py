@@ -19,7 +19,8 @@ What it checks (the targets of a book a newcomer finishes in an evening):
   those pixels; animations that work offline (no stylesheet from a CDN) at the same width; a slider
   box shown once, never on the static site (where it looks live but redraws nothing: the cell that
   calls ``interact(`` is tagged ``remove-output``), and beside every one a version without a kernel
-  (an animation); no environment
+  (an animation); no environment variable in the prose, in a shown output or in code that is not
+  collapsed (the setup cell is tagged ``hide-input``); no environment
   variable, no ``NBVAL_`` marker in a code cell a reader sees, no path into ``benchmarks/`` in the
   prose, no progress bar stored;
 * exercises (:func:`exercises`): each numbered chapter ends with two or three, a markdown cell that
@@ -148,6 +149,11 @@ def page_problems(page: str, nb) -> list:
     for i, cell in enumerate(nb["cells"]):
         if cell["cell_type"] != "code":
             continue
+        if not _tags(cell) & {"remove-cell", "remove-input", "hide-input", "hide-cell"}:
+            m = ENV_VAR.search(source(cell))
+            if m:
+                problems.append(f"{page}: cell {i} shows a reader the environment variable {m.group(0)} in its "
+                                f"code (collapse the setup: tag it hide-input)")
         if not _tags(cell) & {"remove-cell", "remove-input"} and "NBVAL_" in source(cell):
             problems.append(f"{page}: cell {i} shows a reader an NBVAL_ marker (tag the cell remove-input)")
         shown = _shown_outputs(cell)
