@@ -49,3 +49,22 @@ def test_provenance_label_is_the_line_of_describe():
     result = _run()
     assert plots.provenance_label(result) == describe(result)
     assert describe(result).endswith(f"{result.config.steps} steps, seed {result.config.seed}")
+
+
+def test_text_in_the_palettes_colours_reads_on_white():
+    """Every colour of the palette, as text (text_color), has a contrast of at least 4.5:1 on white;
+    the shade keeps the hue's order of channels (a darker orange is still orange)."""
+    from lowprec_demo.common.style import PALETTE, text_color
+
+    def luminance(hex_color):
+        channels = [int(hex_color[i:i + 2], 16) / 255 for i in (1, 3, 5)]
+        lin = [c / 12.92 if c <= 0.03928 else ((c + 0.055) / 1.055) ** 2.4 for c in channels]
+        return 0.2126 * lin[0] + 0.7152 * lin[1] + 0.0722 * lin[2]
+
+    for name, color in PALETTE.items():
+        shade = text_color(color)
+        assert 1.05 / (luminance(shade) + 0.05) >= 4.5, (name, shade)
+        rgb = lambda h: [int(h[i:i + 2], 16) for i in (1, 3, 5)]  # noqa: E731
+        assert sorted(range(3), key=lambda i: rgb(color)[i]) == sorted(range(3), key=lambda i: rgb(shade)[i]) \
+            or len(set(rgb(color))) == 1, (name, shade)
+    assert text_color("0.6") == "0.6" and text_color("#123456") == "#123456"

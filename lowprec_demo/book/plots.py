@@ -16,7 +16,7 @@ from lowprec_demo.book.results import describe
 from lowprec_demo.formats import get_format
 from lowprec_demo.freeze import RATIO_BINS, freeze_order
 from lowprec_demo.common.style import (COLORS, LABELS, PALETTE, STYLES, label_lines, series_style, style,
-                                       tensor_styles, use_book_style)
+                                       tensor_styles, text_color, use_book_style)
 
 __all__ = ["COLORS", "LABELS", "PALETTE", "STYLES", "use_book_style", "style", "series_style", "tensor_styles",
            "label_lines", "plot_losses", "plot_frozen", "plot_frozen_by_tensor", "plot_freeze_sweep", "plot_grid",
@@ -102,7 +102,7 @@ def plot_frozen(result, ax=None, threshold: Optional[float] = None, show_sr: boo
         ax.axvline(step, color=color, ls=":", lw=1.2)
         ax.annotate(f"{name}: step {step}", (step, 0.04 + 0.09 * (len(marks) - 1 - k)),
                     xycoords=("data", "axes fraction"), textcoords="offset points", xytext=(4, 0),
-                    color=color, fontsize=9)
+                    color=text_color(color), fontsize=9)
     ax.set(ylim=(-0.02, 1.02), xlabel="step", ylabel="fraction of elements not moved",
            title=title or f"{result.experiment}, {result.format}: frozen fraction (threshold {threshold})")
     ax.legend(frameon=False, fontsize=9, loc="center right")

@@ -11,7 +11,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 __all__ = ["COLORS", "LABELS", "PALETTE", "STYLES", "BOOK_RC", "use_book_style", "style", "series_style",
-           "tensor_styles", "label_lines"]
+           "tensor_styles", "label_lines", "text_color", "TEXT_SHADES"]
 
 # Okabe and Ito's palette, which colour-blind readers tell apart; each variant also has a line style, to read in grey.
 PALETTE = {"black": "#000000", "orange": "#E69F00", "sky": "#56B4E9", "green": "#009E73", "yellow": "#F0E442",
@@ -84,6 +84,25 @@ def tensor_styles(names: Iterable[str]) -> dict:
     return {name: series_style(i) for i, name in enumerate(sorted(set(names)))}
 
 
+# Most of the palette is too light to read as text on white (orange 2.2:1, purple 3.1:1); text in those
+# colours is drawn in a darker shade of the same hue, at least 4.5:1 (the WCAG minimum for text).
+TEXT_SHADES = {PALETTE["orange"]: "#9A6700", PALETTE["yellow"]: "#7A7000", PALETTE["sky"]: "#1F6E9C",
+               PALETTE["grey"]: "#6B6B6B", PALETTE["vermillion"]: "#B04E00", PALETTE["green"]: "#00785A",
+               PALETTE["purple"]: "#A24E80"}
+
+
+def text_color(color) -> str:
+    """The colour to write a label of a ``color`` line in: a darker shade of the palette's light
+    colours (:data:`TEXT_SHADES`), any other colour as it is.
+
+    Example:
+        >>> text_color("#E69F00")
+        '#9A6700'
+    """
+    key = color.upper() if isinstance(color, str) and color.startswith("#") else color
+    return TEXT_SHADES.get(key, color)
+
+
 def label_lines(ax, fontsize: float = 10, min_gap: float = 0.05, x: Optional[float] = None, **kwargs):
     """Label each labelled line of ``ax`` at its right end (or at ``x``), in its colour, instead of
     a legend; labels closer than ``min_gap`` (of the axes' height) are pushed apart. Returns them."""
@@ -111,5 +130,5 @@ def label_lines(ax, fontsize: float = 10, min_gap: float = 0.05, x: Optional[flo
         for k in range(len(items) - 1, -1, -1):
             items[k][0] = min(items[k][0], 0.98 - (len(items) - 1 - k) * min_gap)
     return [ax.annotate(ln.get_label(), xy=(1.01, pos), xycoords=("axes fraction", "axes fraction"),
-                        color=ln.get_color(), fontsize=fontsize, va="center", ha="left", annotation_clip=False,
+                        color=text_color(ln.get_color()), fontsize=fontsize, va="center", ha="left", annotation_clip=False,
                         **kwargs) for pos, _, ln in items]
