@@ -53,7 +53,7 @@ CHAPTERS = [
     ("4. A small MLP", "SGD and AdamW: freeze predicted at step {ch4_sgd_predicted} and {ch4_adamw_predicted}, "
      "observed at {ch4_sgd_observed} and {ch4_adamw_observed}"),
     ("5. A CNN on MNIST", "test accuracy: bf16 {ch5_bf16_acc_nearest:.1f} % (fp32 {ch5_bf16_acc_reference:.1f} %); "
-     "E4M3, locked from step {ch5_e4m3_observed}, {ch5_e4m3_acc_nearest:.1f} %, with stochastic rounding "
+     "E4M3, frozen from step {ch5_e4m3_observed}, {ch5_e4m3_acc_nearest:.1f} %, with stochastic rounding "
      "{ch5_e4m3_acc_stochastic:.1f} %"),
     ("6. nanoGPT in bf16", "{nanogpt_claim}"),
     ("7. GPT-2 124M on fp8", "E4M3 weights locked from the first step, as predicted: after {ch7_steps} steps loss "
