@@ -13,7 +13,8 @@ What it checks (the targets of a book a newcomer finishes in an evening):
   (so the prose's numbers come from the cells), and the numbered chapters use glue;
 * "What's next": the introduction and each chapter link first to the next chapter of the toc;
 * no page speaks of how the project is made (issues, sessions, pull requests, commits);
-* what a reader sees on the introduction and the chapters (:func:`page_problems`): figures shown at
+* what a reader sees on every page built from a notebook (:func:`page_problems`; an appendix may
+  name the stored benchmark it reports): figures shown at
   most :data:`MAX_FIGURE_PX` CSS pixels wide (the output column of a 1,280-pixel window, so that a
   figure is not shrunk and its 10-point text reads at the body's small print) from PNGs of twice
   those pixels; animations that work offline (no stylesheet from a CDN) at the same width; a slider
@@ -137,13 +138,14 @@ def _texts(out) -> list:
             and not k.startswith(GLUE_MIME)]
 
 
-def page_problems(page: str, nb) -> list:
-    """What a reader should not meet on a page built from ``nb``: see the module's docstring."""
+def page_problems(page: str, nb, evidence: bool = False) -> list:
+    """What a reader should not meet on a page built from ``nb``: see the module's docstring. An
+    evidence page (an appendix, ``evidence=True``) may name the stored benchmark it reports."""
     problems, widgets, animations = [], [], 0
     md = markdown_of(".ipynb", nb)
     for m in ENV_VAR.finditer(md):
         problems.append(f"{page}: the prose names the environment variable {m.group(0)}")
-    bench = re.search(r"benchmarks/\S+", md)
+    bench = None if evidence else re.search(r"benchmarks/\S+", md)
     if bench:
         problems.append(f"{page}: the prose names a path into benchmarks/ ({bench.group(0)})")
     for i, cell in enumerate(nb["cells"]):
@@ -290,8 +292,9 @@ def main() -> int:
                 problems.append(f"{page}: glue roles with no glued output in the stored notebook: {missing}")
         for m in MAKING.finditer(md):
             problems.append(f"{page}: speaks of how the project is made: {m.group(0)!r}")
+        if kind == ".ipynb":
+            problems.extend(page_problems(page, doc, evidence=not is_numbered))
         if is_numbered and kind == ".ipynb":
-            problems.extend(page_problems(page, doc))
             if page != numbered[0]:
                 n, unanswered = exercises(doc)
                 if not EXERCISES[0] <= n <= EXERCISES[1]:
