@@ -16,6 +16,8 @@ opened in headless Chromium driven by Playwright. For each page the check collec
   Colab link that point at the repository URL and branch of _config.yml and at that chapter's
   notebook, which must exist in the repository; any other Binder or Colab link must point at the
   same repository and branch;
+* code and printouts: no <pre> of the article is wider than its box (each wraps at the column's
+  edge, _static/outputs.css), so no line is cut off out of sight;
 * math (see "Math" below): once MathJax has finished, every math element of the page must hold
   MathJax's output, no formula may show a MathJax error, no raw LaTeX delimiter may be left in the
   page's text, and MathJax must be served by the book itself;
@@ -608,6 +610,11 @@ def check_page(
     result.failures += math_failures(math["html"], origin)
     scan = scan_math(math["html"])
     result.math_elements, result.math_rendered = scan.math_elements, scan.rendered
+
+    # Code and printouts wrap at the column's edge (_static/outputs.css): none runs off it, hidden.
+    cut = page.evaluate("""() => [...document.querySelectorAll('.bd-article pre')]
+        .filter(p => p.scrollWidth > p.clientWidth + 1).map(p => p.textContent.trim().split('\\n')[0].slice(0, 60))""")
+    result.failures += [f"code or a printout runs off the column's edge (it starts {first!r})" for first in cut]
 
     check_links(result, links, final_url, origin, html_dir, live_ids)
     is_chapter = (html_dir / "_sources" / (rel.removesuffix(".html") + ".ipynb")).is_file()
