@@ -4,24 +4,18 @@ problem they look for and pass a clean page; the package's animation works offli
 width; the slider helper shows its box once."""
 
 import base64
-import importlib.util
 import json
 import re
 import struct
-from pathlib import Path
 
 import pytest
 
 from lowprec_demo.book import widgets
-
-REPO = Path(__file__).resolve().parents[1]
+from repo_tools import load_tool
 
 
 def _check_book():
-    spec = importlib.util.spec_from_file_location("check_book", REPO / "tools" / "check_book.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("check_book")
 
 
 def _code(source="x = 1", outputs=(), tags=()):

@@ -2,19 +2,16 @@
 glued numbers, the order of "What's next", the README's first screen), and the README's numbers
 against the chapters' stored outputs (tools/readme_table.py)."""
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
+from repo_tools import load_tool
+
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _tool(name):
-    spec = importlib.util.spec_from_file_location(name, REPO / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+_tool = load_tool
 
 
 def test_the_book_meets_its_reader_targets():

@@ -9,22 +9,18 @@ legitimately shows LaTeX.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
+
+from repo_tools import load_tool
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def check_site():
-    spec = importlib.util.spec_from_file_location("check_site", REPO / "tools" / "check_site.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["check_site"] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("check_site")
 
 
 # A formula as MathJax 3 leaves it in the DOM (CommonHTML output, with its assistive MathML).

@@ -2,7 +2,6 @@
 the benchmark) and ``tools/gpu_check.sh`` (its dry run). A change of the package that breaks
 them fails here, not on the day a GPU is lent."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -11,14 +10,13 @@ from pathlib import Path
 
 import pytest
 
+from repo_tools import load_tool
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _gpu_bench():
-    spec = importlib.util.spec_from_file_location("gpu_bench", ROOT / "tools" / "gpu_bench.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("gpu_bench")
 
 
 def test_gpu_bench_runs_on_the_cpu(tmp_path):

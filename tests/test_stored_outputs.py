@@ -5,7 +5,6 @@ whose stored number was changed by hand, naming the cell."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -15,15 +14,12 @@ from pathlib import Path
 
 import pytest
 
+from repo_tools import load_tool
+
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _load(name):
-    spec = importlib.util.spec_from_file_location(name, REPO / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(name, module)
-    spec.loader.exec_module(module)
-    return module
+_load = load_tool
 
 
 output_compare = _load("output_compare")
