@@ -11,7 +11,7 @@ import torch
 from lowprec_demo.common.packing import PackCache, copy_into, group, runs
 from lowprec_demo.common.sharding import any_sharded, flat_offset, local_part
 from lowprec_demo.formats import FloatFormat, check_overflow_policy, get_format
-from lowprec_demo.optim import storage
+from lowprec_demo.optim import fused, storage
 from lowprec_demo.optim.options import (COMPENSATIONS, PARAM_SELECTIONS, ParamSelection, check_options, check_param,
                                          make_generator, select_params)
 from lowprec_demo.optim.plan import PLAN_REMEDIES, FreezePlan, resolve_plan
@@ -46,9 +46,8 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
     master copies, the generator's): a wrapper loaded from it takes the same steps. Each parameter keeps its own storage
     unless ``pack=True``: then the small float32 ones rounded together live in one flat buffer per run, rounded in one
     call, to the same bits (:mod:`lowprec_demo.common.packing`). FSDP2's sharded parameters store the bits one process
-    would (:mod:`lowprec_demo.common.sharding`). Cost (``benchmarks/cpu-2026-12-06-costs.md``, AMD EPYC, one thread,
-    29.4M parameters stored in bf16, AdamW, batch 16): a whole step 2.59x plain bf16 AdamW's with SR, 2.96x with the
-    remainder (torchao's SR AdamW 4.70x), of which the inner AdamW on float32 working copies is 1.69x by itself."""
+    would (:mod:`lowprec_demo.common.sharding`). torch's Adam(W) on weights stored in bf16 takes the fused step, to the
+    same bits (:mod:`~lowprec_demo.optim.fused`; its cost: ``benchmarks/cpu-2026-12-06b-costs.md``: COSTS)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, fmt: Union[str, FloatFormat], rounding: str = "nearest",
                  generator: GeneratorLike = None, rand_bits: Optional[int] = None, params: ParamSelection = "all",
@@ -176,6 +175,8 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         :meth:`before_inner_step` and :meth:`after_inner_step`; a failed step leaves bf16/fp16 storage as it was."""
         with torch.enable_grad():
             loss = None if closure is None else closure()
+        if fused.eligible(self):      # torch's Adam(W), every parameter stored in bf16: the same bits, fused
+            return fused.step(self) or loss
         self.before_inner_step()
         try:
             self.optimizer.step()
@@ -290,8 +291,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
             for g, lr in zip(groups, lrs):
                 g["lr"] = lr
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear gradients (delegates to the inner optimizer)."""
+    def zero_grad(self, set_to_none: bool = True) -> None:   # (the inner optimizer's)
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def add_param_group(self, param_group: dict) -> None:
