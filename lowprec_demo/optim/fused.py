@@ -17,7 +17,7 @@ with one of those three remedies, no step hooks on the inner optimizer, and the 
 (:func:`~lowprec_demo.rounding.round_to_grid.set_mode`) not ``"off"``. In ``"auto"`` mode it starts once the generic
 steps have moved :data:`~lowprec_demo.rounding.round_to_grid.EAGER_BUDGET` elements, so that a short run never waits
 for the compiler. Before its first step a process checks it against the generic step on a probe (two steps of two
-tensors, 4,099 and 33 elements, the optimizer's own settings); any difference, or a compiler that fails, and the
+tensors, 4,099, 33 and 1 elements, the optimizer's betas and eps); any difference, or a compiler that fails, and the
 generic step is used from then on, with one warning. Cost (``benchmarks/cpu-2026-12-06b-costs.md``): see
 :class:`~lowprec_demo.optim.LowPrecisionOptimizer`.
 """
@@ -81,11 +81,31 @@ def _master(p, grad, m, v, root, c, remainder=None) -> None:     # the weight in
     root.copy_(_moved(p, grad, m, v, root, c, remainder))
 
 
+def bf16_stochastic_bits(bits: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """:func:`~lowprec_demo.rounding.round_to_grid.stochastic_bits` of float32 bit patterns onto bf16's grid with 32
+    random bits, in fewer operations: bf16 keeps float32's exponent, so every value (subnormals too) drops its low 16
+    bits, ``frac``, and moves up one bf16 step when the top 16 of its 32 random bits are below ``frac`` (the same
+    draw, the same comparison); beyond max the overflow policy's value, a NaN the layout's NaN."""
+    p = rg.RoundParams.read(q)
+    index = torch.arange(bits.numel(), dtype=torch.int32, device=bits.device) + p.index_offset
+    r = rg.hash32(index, p.seed_lo, p.seed_hi)
+    u = bits & 0x7FFFFFFF
+    move = ((r >> 16) & 0xFFFF) < (u & 0xFFFF)
+    out = (u & -(1 << 16)) + (move.to(torch.int32) << 16)
+    out = torch.where(u > 0x7F800000, 0x7FC00000, torch.where(out > p.max_bits, p.overflow_bits, out))
+    return out | (bits & -(1 << 31))
+
+
+def _stochastic(p, grad, m, v, root, c, q) -> None:
+    w = _moved(p, grad, m, v, root, c)
+    p.copy_(bf16_stochastic_bits(w.view(torch.int32), q).view(torch.float32).to(p.dtype))
+
+
 def _round_root(root: torch.Tensor, q: torch.Tensor) -> None:
     rg.stochastic_bits(root.view(torch.int32), q, inplace=True)
 
 
-_UPDATE = {"nearest": _nearest, "stochastic": _master, "remainder": _master}
+_UPDATE = {"nearest": _nearest, "stochastic": _stochastic, "remainder": _master}
 
 
 _kernels: dict = {}
@@ -166,25 +186,30 @@ def step(opt) -> None:
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["step"] += 1
             c, remedy, (seed, start) = _constants(group, state["step"].item()), opt._remedy[p], draws.get(p, (0, 0))
-            update = _compiled(_UPDATE[remedy])
-            flat = [t.view(-1) for t in (p.data, state["exp_avg"], state["exp_avg_sq"])]
-            grad, rem = p.grad.reshape(-1), opt._remainders[p].view(-1) if remedy == "remainder" else None
+            few_bits = remedy == "stochastic" and opt.rand_bits is not None
+            update = _compiled(_master if few_bits else _UPDATE[remedy])
+            # flat aliases, not views (detach): a compiled kernel guards on a view's base, and would compile again
+            flat = [t.reshape(-1).detach() for t in (p.data, state["exp_avg"], state["exp_avg_sq"], p.grad)]
+            rem = opt._remainders[p].reshape(-1).detach() if remedy == "remainder" else None
             n = p.numel()
             if _scratch.get(p.device) is None or _scratch[p.device].numel() != CHUNK:
                 _scratch[p.device] = torch.empty(CHUNK, dtype=torch.float32, device=p.device)
-            scratch = _scratch[p.device]
+            scratch = _scratch[p.device].detach()
             for lo in range(0, n, CHUNK):
                 part = slice(lo, min(n, lo + CHUNK))
-                root = scratch[:part.stop - lo]
-                second(grad[part], flat[2][part], c, root)
+                root = scratch[:part.stop - lo].detach()
+                grad = flat[3][part].detach()
+                second(grad, flat[2][part].detach(), c, root)
                 root.sqrt_()     # torch's own root
-                update(flat[0][part], grad[part], flat[1][part], flat[2][part], root, c,
-                       None if rem is None else rem[part])
-                if remedy == "stochastic":
-                    sr(root, rg.round_params(opt.fmt, opt.overflow, opt.rand_bits, seed, start + lo).tensor(p.device))
-                elif remedy == "remainder":
-                    storage.split_remainder_(root, rem[part])     # (the generic step's split, eagerly)
-                if remedy != "nearest":
+                q = remedy == "stochastic" and rg.round_params(opt.fmt, opt.overflow, opt.rand_bits, seed,
+                                                               start + lo).tensor(p.device)
+                update(flat[0][part].detach(), grad, flat[1][part].detach(), flat[2][part].detach(), root, c,
+                       rem[part].detach() if remedy == "remainder" else None if few_bits else q)
+                if few_bits:     # (few-bit SR: the general kernel, on the weight left in root's place)
+                    sr(root, q)
+                elif remedy == "remainder":      # (the generic step's split, eagerly: a bit cast compiles slowly)
+                    storage.split_remainder_(root, rem[part])
+                if few_bits or remedy == "remainder":
                     flat[0][part].copy_(root)      # (exact: on the grid)
 
 
@@ -192,12 +217,13 @@ def _check(opt, dtype: torch.dtype, remedy: str) -> bool:
     """Two steps of the generic and the fused path on a probe with ``opt``'s settings: the same bits, or never again."""
     from lowprec_demo.optim.optimizer import LowPrecisionOptimizer
     gen = torch.Generator().manual_seed(1234)
-    sizes = (4099, 33)
+    sizes = (4099, 33, 1)     # (a size of 1 compiles a kernel of its own)
     base = [(torch.randn(n, generator=gen) * 0.05).to(dtype) for n in sizes]
     grads = [[(torch.randn(n, generator=gen) * 10.0 ** torch.randint(-7, 1, (n,), generator=gen)).to(dtype)
               for n in sizes] for _ in range(2)]
-    group = {**{k: v for k, v in opt.optimizer.param_groups[0].items() if k != "params"}, "lr": 1e-3,
-             "weight_decay": 0.1}      # (the user's betas and eps; a rate and a decay that move the probe)
+    group = {k: v for k, v in opt.optimizer.param_groups[0].items() if k != "params"}
+    decoupled = group.get("decoupled_weight_decay", type(opt.optimizer) is torch.optim.AdamW)
+    group.update(lr=1e-3, weight_decay=0.1 if decoupled else 0.0)    # (the user's betas and eps; a rate that moves)
     results, mode = [], rg.get_mode()
     try:
         for fused in (False, True):
