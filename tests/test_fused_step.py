@@ -168,3 +168,23 @@ def test_a_probe_that_disagrees_turns_the_fused_step_off(monkeypatch):
         assert not fused.eligible(opt)     # (once: not checked again)
     finally:
         rg.set_mode(previous)
+
+
+@pytest.mark.parametrize("overflow", [None, "saturate"])
+def test_bf16_stochastic_bits_are_stochastic_bits_onto_bf16(overflow):
+    """Every class of float32 pattern: random ones, zeros, subnormals, the largest finite, inf, NaNs, both signs."""
+    fmt = lp.get_format("bf16")
+    gen = torch.Generator().manual_seed(0)
+    special = [0, 1, 0xFFFF, 0x10000, 0x007FFFFF, 0x00800000, 0x3F800000, 0x3F808000, 0x3F80FFFF, 0x7F7EFFFF,
+               0x7F7F0000, 0x7F7F8000, 0x7F7FFFFF, 0x7F800000, 0x7F800001, 0x7FC00000, 0x7FFFFFFF]
+    special += [b | 1 << 31 for b in special]
+    bits = torch.cat([torch.randint(-2 ** 31, 2 ** 31, (1 << 18,), generator=gen, dtype=torch.int64),
+                      torch.tensor(special, dtype=torch.int64)])
+    bits = torch.where(bits >= 2 ** 31, bits - 2 ** 32, bits).to(torch.int32)
+    for seed, offset in ((0, 0), (2 ** 40 + 3, 12345)):
+        q = rg.round_params(fmt, overflow, None, seed, offset).tensor()
+        expected = rg.stochastic_bits(bits.clone(), q)
+        got = fused.bf16_stochastic_bits(bits.clone(), q)
+        assert got.dtype == torch.int32 and torch.equal(got, expected)
+    moved = (fused.bf16_stochastic_bits(bits, q) != (bits & -(1 << 16))).float().mean()
+    assert 0.3 < moved < 0.7      # (about half the random patterns move up: the check compares real draws)

@@ -1,25 +1,28 @@
-"""The fused step: torch's Adam or AdamW on parameters really stored in bf16, rounded to nearest,
-stochastically or with the 16-bit remainder, in three passes per tensor instead of about twenty, to the same bits.
+"""The fused step: torch's Adam or AdamW on parameters really stored in bf16, rounded to nearest, stochastically or
+with the 16-bit remainder, in three passes over each chunk of a tensor instead of about twenty, to the same bits.
 
 The generic step (:meth:`~lowprec_demo.optim.LowPrecisionOptimizer.step`) opens float32 working copies of the weights,
 gradients and moments, runs the user's optimizer on them (eight passes of torch's own kernels), rounds the weights and
-casts everything back. Here one compiled kernel updates the second moment; torch's own ``sqrt`` takes its root (torch's
-CPU square root is not the correctly rounded one, so it is called, not rewritten); a second compiled kernel updates
-the first moment and the weight and stores them, rounded as the generic step rounds them (the same seeds, the same
-element indices: :func:`~lowprec_demo.rounding.round_to_grid.stochastic_bits`). Each kernel computes what torch's
-``_single_tensor_adam`` computes, in its order: a product and a sum that torch fuses (``lerp``'s and ``addcmul``'s
-multiply-add) are compiled with contraction allowed, and a product that torch rounds before a sum (the weight decay,
-``beta2 * v``) passes through an integer ``or`` with 0 that no compiler fuses across.
+casts everything back. Here, per chunk of :data:`CHUNK` elements (each element's arithmetic is its own), one compiled
+kernel computes the second moment into a float32 scratch; torch's own ``sqrt_`` takes its root (torch's CPU square root
+is not always the correctly rounded one, so it is called, not rewritten); a second compiled kernel updates both moments
+and the weight and stores them, rounded as the generic step rounds them: the same seeds, the same element indices
+(:func:`bf16_stochastic_bits`; with ``rand_bits`` the general kernel, and the remainder's split, run after it on the
+weight left in the scratch). Each kernel computes what torch's ``_single_tensor_adam`` computes, in its order: a
+product and a sum that torch fuses (``lerp``'s and ``addcmul``'s multiply-add) are compiled with contraction allowed,
+and a product that torch rounds before a sum (the weight decay, ``beta2 * v``) gets ``-0.0`` added, which leaves it as
+it is and keeps the compiler from fusing it with the sum after.
 
 It runs where the bits are known to agree: torch.optim.Adam or AdamW (not amsgrad, maximize, capturable,
-differentiable, fused or foreach), on the CPU, every parameter the optimizer steps really stored, contiguous and kept
-with one of those three remedies, no step hooks on the inner optimizer, and the compile mode
-(:func:`~lowprec_demo.rounding.round_to_grid.set_mode`) not ``"off"``. In ``"auto"`` mode it starts once the generic
-steps have moved :data:`~lowprec_demo.rounding.round_to_grid.EAGER_BUDGET` elements, so that a short run never waits
-for the compiler. Before its first step a process checks it against the generic step on a probe (two steps of two
-tensors, 4,099, 33 and 1 elements, the optimizer's betas and eps); any difference, or a compiler that fails, and the
-generic step is used from then on, with one warning. Cost (``benchmarks/cpu-2026-12-06b-costs.md``): see
-:class:`~lowprec_demo.optim.LowPrecisionOptimizer`.
+differentiable, fused or foreach; decay decoupled or none), on the CPU, every parameter the optimizer steps stored in
+bf16, contiguous and kept with one of those three remedies (a :class:`~lowprec_demo.optim.FreezePlan` may mix them), the
+state in bf16 as torch keeps it, no step hooks on the inner optimizer (hooks on the wrapper, such as the watch's, run),
+and the compile mode (:func:`~lowprec_demo.rounding.round_to_grid.set_mode`) not ``"off"``. In ``"auto"`` mode it
+starts once the generic steps have moved :data:`~lowprec_demo.rounding.round_to_grid.EAGER_BUDGET` elements, so that a
+short run never waits for the compiler. Before its first step a process checks it against the generic step on a probe
+(two steps of tensors of 4,099, 33 and 1 elements, the optimizer's betas and eps); any difference, or a compiler that
+fails, and the generic step is used from then on, with one warning. A NaN weight stays a NaN, its payload not kept.
+Cost (``benchmarks/cpu-2026-12-06b-costs.md``): see :class:`~lowprec_demo.optim.LowPrecisionOptimizer`.
 """
 
 from __future__ import annotations
