@@ -385,7 +385,7 @@ def watch(model: torch.nn.Module, optimizer, formats: Sequence = ("bf16",), sche
     (None: all). Options are checked here, so a mistake ends the call, not a run part way.
 
     Cost at the defaults (``benchmarks/cpu-2026-12-06-costs.md``, AMD EPYC, one thread), float32 / bf16: x1.05 / 1.12
-    a step on a 1.0M GPT, x1.20 / 1.22 on 5.2M Linear (10-22 ms steps), x1.04 / 1.08 on 29.4M; ``every=k`` divides the
+    a step on a 1.0M GPT, x1.01 / 1.22 on 5.2M Linear (10-22 ms steps), x1.00 / 1.25 on 29.4M; ``every=k`` divides the
     extra by k. Sample 1,024: a tensor's frozen share within 0.6-0.7 % of every element's (mean; max 5.7 %)."""
     return FreezeWatch(model, optimizer, formats, scheduler, every, threshold, total_steps, patience, path,
                        save_every, writer, progress, sample)

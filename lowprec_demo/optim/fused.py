@@ -22,7 +22,7 @@ starts once the generic steps have moved :data:`~lowprec_demo.rounding.round_to_
 short run never waits for the compiler. Before its first step a process checks it against the generic step on a probe
 (two steps of tensors of 4,099, 33 and 1 elements, the optimizer's betas and eps); any difference, or a compiler that
 fails, and the generic step is used from then on, with one warning. A NaN weight stays a NaN, its payload not kept.
-Cost (``benchmarks/cpu-2026-12-06b-costs.md``): see :class:`~lowprec_demo.optim.LowPrecisionOptimizer`.
+Cost (``benchmarks/cpu-2026-12-06-costs.md``): see :class:`~lowprec_demo.optim.LowPrecisionOptimizer`.
 """
 
 from __future__ import annotations

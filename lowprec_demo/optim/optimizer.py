@@ -48,7 +48,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
     call, to the same bits (:mod:`lowprec_demo.common.packing`). FSDP2's sharded parameters store the bits one process
     would (:mod:`lowprec_demo.common.sharding`). torch's Adam(W) on weights stored in bf16 takes the fused step, to the
     same bits (:mod:`~lowprec_demo.optim.fused`): a whole step 1.43-1.58x plain bf16 AdamW's with SR, 2.28-2.39x with
-    the remainder (29.4M parameters, ``benchmarks/cpu-2026-12-06b-costs.md``); torchao's SR AdamW 4.1-4.7x."""
+    the remainder (29.4M parameters, ``benchmarks/cpu-2026-12-06-costs.md``); torchao's SR AdamW 4.1-4.7x."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, fmt: Union[str, FloatFormat], rounding: str = "nearest",
                  generator: GeneratorLike = None, rand_bits: Optional[int] = None, params: ParamSelection = "all",
