@@ -22,6 +22,7 @@ starts once the generic steps have moved :data:`~lowprec_demo.rounding.round_to_
 short run never waits for the compiler. Before its first step a process checks it against the generic step on a probe
 (two steps of tensors of 4,099, 33 and 1 elements, the optimizer's betas and eps); any difference, or a compiler that
 fails, and the generic step is used from then on, with one warning. A NaN weight stays a NaN, its payload not kept.
+Beyond the optimizer's own tensors it holds one float32 scratch of :data:`CHUNK` elements per device.
 Cost (``benchmarks/cpu-2026-12-06-costs.md``): see :class:`~lowprec_demo.optim.LowPrecisionOptimizer`.
 """
 
@@ -37,7 +38,7 @@ from torch.optim import optimizer as torch_optimizer
 from lowprec_demo.optim import storage
 from lowprec_demo.rounding import round_to_grid as rg
 
-__all__ = ["eligible", "step"]
+__all__ = ["eligible", "step", "bf16_stochastic_bits", "CHUNK"]
 
 _OPTIONS = {"cpp.enable_floating_point_contract_flag": "fast"}    # torch's own CPU kernels contract these too
 _REMEDIES = ("nearest", "stochastic", "remainder")
@@ -160,7 +161,9 @@ def _constants(group: dict, step: float) -> torch.Tensor:
                          -(lr / (1 - beta1 ** step)), -0.0], dtype=torch.float32)
 
 
-CHUNK = 1 << 18      # elements a tensor is stepped by: the float32 root of a chunk stays in the cache
+#: Elements a tensor is stepped by: the float32 scratch that holds a chunk's root (1 MiB, one per device, kept from
+#: step to step) stays in the cache.
+CHUNK = 1 << 18
 _scratch: dict = {}
 
 
