@@ -167,11 +167,15 @@ CHUNK = 1 << 18
 _scratch: dict = {}
 
 
-@torch.no_grad()
 def step(opt) -> None:
     """One step of ``opt`` (for which :func:`eligible` said yes): the inner optimizer's state and step counts, the
     stored weights, moments and remainders, and the generator's draws as :meth:`LowPrecisionOptimizer.step` leaves
     them. A tensor goes by chunks of :data:`CHUNK` elements (each element's arithmetic is its own, so the same bits)."""
+    with torch.no_grad():
+        _step(opt)
+
+
+def _step(opt) -> None:
     from lowprec_demo.common.packing import group as runs_of
     inner, stored, draws = opt.optimizer, opt._stored, {}
     for run in runs_of(stored):     # the generic step's runs: one seed each, drawn by its SR members in their order
