@@ -232,11 +232,12 @@ def write_report(result: dict, stem: str) -> None:
                      f"(target {'met' if within else 'missed'}); {'no slower' if faster else 'slower'} than torchao's "
                      f"SR AdamW ({'met' if faster else 'missed'}).")
     if FLOAT32_ADAMW in ratio and "lp stochastic" + GENERIC in ratio:
-        lines.append(f"\nThe generic step runs the user's torch AdamW on float32 working copies, whose "
-                     f"step on float32 weights alone is {ratio[FLOAT32_ADAMW]:.2f}x plain bf16 AdamW's whole step here: "
-                     f"{ratio['lp stochastic' + GENERIC]:.2f}x with SR, {ratio['lp remainder' + GENERIC]:.2f}x with the "
-                     f"remainder. The fused step (`lowprec_demo.optim.fused`, the default once 2**27 elements have been "
-                     f"stepped) reads the 2-byte weights and moments once, to the same bits.")
+        generic = {name: ratio[name + GENERIC] for name in ("lp stochastic", "lp remainder")}
+        lines.append(f"\nThe generic step runs the user's torch AdamW on float32 working copies, whose step on float32 "
+                     f"weights alone is {ratio[FLOAT32_ADAMW]:.2f}x plain bf16 AdamW's whole step here: "
+                     f"{generic['lp stochastic']:.2f}x with SR, {generic['lp remainder']:.2f}x with the remainder. The "
+                     f"fused step (`lowprec_demo.optim.fused`, the default once 2**27 elements have been stepped) "
+                     f"reads the 2-byte weights and moments once, to the same bits.")
     with open(stem + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
 

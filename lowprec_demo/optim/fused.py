@@ -145,7 +145,7 @@ def eligible(opt) -> bool:
     remedies = {(p.dtype, opt._remedy[p]) for p in opt.lowprec_params}
     if any(_ready.get(key) is False for key in remedies) or opt.state_rounding != "nearest" or any(
             rg._native_dtype(torch.empty(0), opt.fmt, opt.overflow) != dtype for dtype, _ in remedies):
-        return False     # (the state, and a weight rounded to nearest, cast to the stored dtype as the generic step does)
+        return False     # (the state, and a weight rounded to nearest, cast to bf16 as the generic step does)
     if rg.get_mode() == "auto" and not all(_ready.get(key) for key in remedies):
         if _work["elements"] < rg.EAGER_BUDGET:     # the generic step until a run has moved that much
             _work["elements"] += sum(p.numel() for p in opt.lowprec_params)
@@ -225,7 +225,6 @@ def _step(opt) -> None:
 
 def _check(opt, dtype: torch.dtype, remedy: str) -> bool:
     """Two steps of the generic and the fused path on a probe with ``opt``'s settings: the same bits, or never again."""
-    from lowprec_demo.optim.optimizer import LowPrecisionOptimizer
     gen = torch.Generator().manual_seed(1234)
     sizes = (4099, 33, 1)     # (a size of 1 compiles a kernel of its own)
     base = [(torch.randn(n, generator=gen) * 0.05).to(dtype) for n in sizes]
@@ -241,8 +240,8 @@ def _check(opt, dtype: torch.dtype, remedy: str) -> bool:
             params = [torch.nn.Parameter(b.clone()) for b in base]
             inner = type(opt.optimizer)([{"params": params, **copy.deepcopy(group)}])
             kind = {"remainder": {"compensation": "remainder"}}.get(remedy, {"rounding": remedy})
-            probe = LowPrecisionOptimizer(inner, opt.fmt, generator=7, overflow=opt.overflow, rand_bits=opt.rand_bits,
-                                          **kind)
+            probe = type(opt)(inner, opt.fmt, generator=7, overflow=opt.overflow, rand_bits=opt.rand_bits,
+                              **kind)
             for g in grads:
                 for p, gi in zip(params, g):
                     p.grad = gi.clone()

@@ -11,7 +11,7 @@ import torch
 from lowprec_demo.common.packing import PackCache, copy_into, group, runs
 from lowprec_demo.common.sharding import any_sharded, flat_offset, local_part
 from lowprec_demo.formats import FloatFormat, check_overflow_policy, get_format
-from lowprec_demo.optim import fused, storage
+from lowprec_demo.optim import storage
 from lowprec_demo.optim.options import (COMPENSATIONS, PARAM_SELECTIONS, ParamSelection, check_options, check_param,
                                          make_generator, select_params)
 from lowprec_demo.optim.plan import PLAN_REMEDIES, FreezePlan, resolve_plan
@@ -147,8 +147,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
                 start += t.numel()
 
     def _runs(self, tensors: list) -> list:
-        """``(members, None)`` per :func:`~lowprec_demo.common.packing.runs` of ``tensors``, kept by their ids and
-        sizes for the next call with the same tensors (parameters and state; forgotten when a state dict is loaded)."""
+        """``(members, None)`` per run of ``tensors`` (:func:`~lowprec_demo.common.packing.runs`), cached."""
         key = tuple((id(t), t.numel(), t.dtype) for t in tensors)
         if key not in self._runs_of:
             if len(self._runs_of) >= 16:
@@ -176,6 +175,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         :meth:`before_inner_step` and :meth:`after_inner_step`; a failed step leaves bf16/fp16 storage as it was."""
         with torch.enable_grad():
             loss = None if closure is None else closure()
+        from lowprec_demo.optim import fused       # (loaded at the first step)
         if fused.eligible(self):      # torch's Adam(W), every parameter stored in bf16: the same bits, fused
             return fused.step(self) or loss
         self.before_inner_step()
