@@ -35,6 +35,7 @@ from typing import Optional
 import torch
 from torch.optim import optimizer as torch_optimizer
 
+from lowprec_demo.common.packing import group as runs_of
 from lowprec_demo.optim import storage
 from lowprec_demo.rounding import round_to_grid as rg
 
@@ -176,7 +177,6 @@ def step(opt) -> None:
 
 
 def _step(opt) -> None:
-    from lowprec_demo.common.packing import group as runs_of
     inner, stored, draws = opt.optimizer, opt._stored, {}
     for run in runs_of(stored):     # the generic step's runs: one seed each, drawn by its SR members in their order
         drawing = [stored[i] for i in run if opt._remedy[stored[i]] == "stochastic"]
@@ -211,8 +211,8 @@ def _step(opt) -> None:
                 grad = flat[3][part].detach()
                 second(grad, flat[2][part].detach(), c, root)
                 root.sqrt_()     # torch's own root
-                q = remedy == "stochastic" and rg.round_params(opt.fmt, opt.overflow, opt.rand_bits, seed,
-                                                               start + lo).tensor(p.device)
+                q = None if remedy != "stochastic" else rg.round_params(opt.fmt, opt.overflow, opt.rand_bits, seed,
+                                                                        start + lo).tensor(p.device)
                 update(flat[0][part].detach(), grad, flat[1][part].detach(), flat[2][part].detach(), root, c,
                        rem[part].detach() if remedy == "remainder" else None if few_bits else q)
                 if few_bits:     # (few-bit SR: the general kernel, on the weight left in root's place)
